@@ -16,6 +16,19 @@ from batchinfer import __version__
 # (module, attribute) of every command registered on the main group.
 _COMMANDS: list[tuple[str, str]] = [
     ("batchinfer.cli.config_cmd", "config"),
+    ("batchinfer.cli.db_cmd", "db"),
+    ("batchinfer.cli.jobs", "submit"),
+    ("batchinfer.cli.jobs", "status"),
+    ("batchinfer.cli.jobs", "list_"),
+    ("batchinfer.cli.jobs", "results"),
+    ("batchinfer.cli.jobs", "cancel"),
+    ("batchinfer.cli.jobs", "run"),
+    ("batchinfer.cli.worker_cmd", "worker"),
+    ("batchinfer.cli.worker_cmd", "workers_"),
+    ("batchinfer.cli.worker_cmd", "beat"),
+    ("batchinfer.cli.worker_cmd", "rescue"),
+    ("batchinfer.cli.api_cmd", "api"),
+    ("batchinfer.cli.apikey_cmd", "apikey"),
 ]
 
 

@@ -1,0 +1,175 @@
+"""Where the job commands send their work: the database directly (local) or a batchinfer server (remote).
+
+Both return the same OpenAI Batch objects (batchinfer.store.serialize), so every command prints the same
+thing in either mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from batchinfer.config import Settings
+
+LOCAL_OWNER = "local"
+
+
+class BackendError(RuntimeError):
+    """A job operation failed; the message says why and what to do."""
+
+
+class Backend(Protocol):
+    """What the job commands need from wherever jobs live."""
+
+    def submit(self, path: Path, *, model: str, shard_size: int | None, priority: int,
+               metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
+               completion_window: str | None) -> dict[str, Any]: ...
+
+    def get(self, batch_id: str) -> dict[str, Any]: ...
+
+    def list(self, *, limit: int, after: str | None) -> list[dict[str, Any]]: ...
+
+    def cancel(self, batch_id: str) -> dict[str, Any]: ...
+
+    def results(self, batch_id: str, kind: str) -> Iterator[bytes]: ...
+
+
+class LocalBackend:
+    """Jobs in the configured database (SQLite by default); migrates an SQLite file on first use."""
+
+    def __init__(self, settings: Settings) -> None:
+        from batchinfer.store.db import session_factory, upgrade
+
+        self.settings = settings
+        url = settings.effective_database_url
+        if url.startswith("sqlite"):
+            settings.data_dir.mkdir(parents=True, exist_ok=True)
+            upgrade(url)
+        self.sessions = session_factory(url)
+
+    def _job_id(self, batch_id: str) -> int:
+        from batchinfer.store.serialize import parse_batch_id
+
+        job_id = parse_batch_id(batch_id) or (int(batch_id) if batch_id.isdigit() else None)
+        if job_id is None:
+            raise BackendError(f"{batch_id!r} is not a batch id; batch ids look like batch_42")
+        return job_id
+
+    def _batch(self, job: Any) -> dict[str, Any]:
+        from batchinfer.store.serialize import batch_object
+
+        return batch_object(job)
+
+    def submit(self, path: Path, *, model: str, shard_size: int | None, priority: int,
+               metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
+               completion_window: str | None) -> dict[str, Any]:
+        """Ingest `path` as a job and announce its shards when a broker is configured."""
+        from batchinfer.store.jobs import JobError, submit_job
+
+        with self.sessions() as session:
+            try:
+                job = submit_job(session, path=path, model=model, owner=LOCAL_OWNER, shard_size=shard_size,
+                                 priority=priority, metadata=metadata, idempotency_key=idempotency_key,
+                                 on_invalid=on_invalid, completion_window=completion_window)  # type: ignore[arg-type]
+            except JobError as exc:
+                raise BackendError(str(exc)) from None
+            batch = self._batch(job)
+        if self.settings.broker_url and batch["status"] == "in_progress":
+            from workers.dispatch import dispatch_job
+
+            dispatch_job(job_id=job.id, settings=self.settings)
+        return batch
+
+    def get(self, batch_id: str) -> dict[str, Any]:
+        """The batch object of one job."""
+        from batchinfer.store.jobs import JobError, get_job
+
+        with self.sessions() as session:
+            try:
+                job = get_job(session, job_id=self._job_id(batch_id), owner=LOCAL_OWNER)
+            except JobError as exc:
+                raise BackendError(str(exc)) from None
+            if job is None:
+                raise BackendError(f"batch {batch_id} not found")
+            return self._batch(job)
+
+    def list(self, *, limit: int, after: str | None) -> list[dict[str, Any]]:
+        """Newest jobs first."""
+        from batchinfer.store.jobs import list_jobs
+
+        with self.sessions() as session:
+            jobs = list_jobs(session, owner=LOCAL_OWNER, after=self._job_id(after) if after else None, limit=limit)
+            return [self._batch(job) for job in jobs]
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        """Cancel a job; finished results are kept."""
+        from batchinfer.store.jobs import JobError, cancel_job
+
+        with self.sessions() as session:
+            try:
+                job = cancel_job(session, job_id=self._job_id(batch_id), owner=LOCAL_OWNER)
+            except JobError as exc:
+                raise BackendError(str(exc)) from None
+            return self._batch(job)
+
+    def results(self, batch_id: str, kind: str) -> Iterator[bytes]:
+        """The output (kind="output") or error (kind="errors") lines, in input order."""
+        from batchinfer.store.jobs import export_results
+
+        job_id = self._job_id(batch_id)
+        self.get(batch_id)  # raises when the job does not exist
+        with self.sessions() as session:
+            yield from export_results(session, job_id=job_id, kind=kind)  # type: ignore[arg-type]
+
+
+class RemoteBackend:
+    """Jobs on a batchinfer server, over its OpenAI-compatible REST API."""
+
+    def __init__(self, server: str, api_key: str | None) -> None:
+        from batchinfer.cli.remote import RemoteClient
+
+        self.client = RemoteClient(server, api_key)
+
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        from batchinfer.cli.remote import RemoteError
+
+        try:
+            return method(*args, **kwargs)
+        except RemoteError as exc:
+            raise BackendError(str(exc)) from None
+
+    def submit(self, path: Path, *, model: str, shard_size: int | None, priority: int,
+               metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
+               completion_window: str | None) -> dict[str, Any]:
+        """Upload the file and create a batch (server-side defaults for shard size and priority)."""
+        return self._call(self.client.submit, path, model=model, metadata=metadata,
+                          completion_window=completion_window or "24h")
+
+    def get(self, batch_id: str) -> dict[str, Any]:
+        """The batch object from the server."""
+        return self._call(self.client.get, batch_id)
+
+    def list(self, *, limit: int, after: str | None) -> list[dict[str, Any]]:
+        """Newest batches first."""
+        return self._call(self.client.list, limit=limit, after=after)["data"]
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        """Ask the server to cancel."""
+        return self._call(self.client.cancel, batch_id)
+
+    def results(self, batch_id: str, kind: str) -> Iterator[bytes]:
+        """Stream the output or error file the server generated for the batch."""
+        batch = self.get(batch_id)
+        file_id = batch["output_file_id"] if kind == "output" else batch["error_file_id"]
+        if file_id is None:
+            return iter(())
+        return self._call(self.client.content, file_id)
+
+
+def backend_for(settings: Settings) -> Backend:
+    """Remote when a server is configured (--server / BATCHINFER_SERVER), else the local database."""
+    if settings.server:
+        key = settings.api_key.get_secret_value() if settings.api_key else None
+        return RemoteBackend(settings.server, key)
+    return LocalBackend(settings)

@@ -1,0 +1,129 @@
+"""`batchinfer worker` (one per GPU), `batchinfer workers` (who is alive), `batchinfer beat`, `batchinfer rescue`."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+import click
+import orjson
+
+from batchinfer.config import get_settings
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@click.command()
+@click.option("--model", "-m", default=None, help="The model this worker serves (default: settings.default_model).")
+@click.option("--device", default=None, help="cpu, cuda, cuda:N (default: settings.device).")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None, help="GPUs per engine.")
+@click.option("--log-level", default="info", show_default=True)
+def worker(model: str | None, device: str | None, tensor_parallel_size: int | None, log_level: str) -> None:
+    """Run a long-lived worker: Celery on the model's queue with a broker, else poll the database."""
+    import workers.local as local
+    from batchinfer.cli.backend import LocalBackend
+
+    _setup_logging(log_level)
+    settings = get_settings()
+    model = model or settings.default_model
+    LocalBackend(settings)  # migrates an embedded SQLite database on first use
+    overrides = {}
+    if device:
+        overrides["device"] = device
+    if tensor_parallel_size:
+        overrides["tensor_parallel_size"] = tensor_parallel_size
+    local.process_model = model
+    local.process_engine_overrides = overrides
+    report = local.rescue_once(settings)
+    if report.requeued or report.failed:
+        click.echo(f"rescued expired shards: requeued {report.requeued}, failed {report.failed}", err=True)
+
+    if settings.broker_url:
+        from workers.celery_app import create_celery_app, queue_name
+        from workers.dispatch import announce
+
+        app = create_celery_app(settings)
+        if report.requeued:
+            from batchinfer.store.db import session_factory
+            from batchinfer.store.models import Shard
+
+            with session_factory(settings.effective_database_url)() as session:
+                announce(app, [s for s in (session.get(Shard, i) for i in report.requeued) if s is not None])
+        # The solo pool runs tasks in this process: the engine is loaded once, after any fork, and kept.
+        app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_name(model),
+                         "-n", f"batchinfer-{model}@%h", f"--loglevel={log_level.upper()}",
+                         "--without-gossip", "--without-mingle"])
+        return
+
+    stop = threading.Event()
+
+    def _stop(signum: int, _frame: object) -> None:
+        click.echo(f"received signal {signum}: finishing in-flight work and releasing shards", err=True)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    click.echo(f"worker for {model}: polling {settings.public_dict()['database_url']} (no broker)", err=True)
+    local.poll_forever(local.make_runner(model=model, settings=settings, **overrides), stop=stop)
+
+
+@click.command("workers")
+@click.option("--all", "include_dead", is_flag=True, help="Include workers that stopped or went silent.")
+@click.option("--json", "as_json", is_flag=True)
+def workers_(include_dead: bool, as_json: bool) -> None:
+    """List live workers and the shards they hold."""
+    from batchinfer.cli.backend import LocalBackend
+    from batchinfer.store.shards import list_workers
+
+    backend = LocalBackend(get_settings())
+    with backend.sessions() as session:
+        infos = list_workers(session, include_dead=include_dead)
+    for info in infos:
+        if as_json:
+            click.echo(orjson.dumps({"id": info.worker_id, "model": info.model, "live": info.live,
+                                     "last_heartbeat_at": info.last_heartbeat_at.isoformat(),
+                                     "shards": info.shard_ids}).decode())
+        else:
+            state = "live" if info.live else "gone"
+            click.echo(f"{info.worker_id}  {info.model}  {state}  shards={info.shard_ids}")
+    if not infos and not as_json:
+        click.echo("no live workers")
+
+
+@click.command()
+@click.option("--log-level", default="info", show_default=True)
+def beat(log_level: str) -> None:
+    """Run Celery beat: the periodic rescuer and the schedule tick (needs a broker)."""
+    settings = get_settings()
+    if not settings.broker_url:
+        click.echo("error: beat needs a broker (BATCHINFER_BROKER_URL); without one `batchinfer worker` "
+                   "rescues on its own", err=True)
+        sys.exit(1)
+    from workers.celery_app import create_celery_app
+
+    create_celery_app(settings).start(["beat", f"--loglevel={log_level.upper()}"])
+
+
+@click.command()
+def rescue() -> None:
+    """Return shards whose lease expired to the queue now (or fail them after max attempts)."""
+    from batchinfer.cli.backend import LocalBackend
+    from workers.local import rescue_once
+
+    settings = get_settings()
+    LocalBackend(settings)
+    report = rescue_once(settings)
+    if settings.broker_url and report.requeued:
+        from batchinfer.store.db import session_factory
+        from batchinfer.store.models import Shard
+        from workers.celery_app import create_celery_app
+        from workers.dispatch import announce
+
+        with session_factory(settings.effective_database_url)() as session:
+            announce(create_celery_app(settings),
+                     [s for s in (session.get(Shard, i) for i in report.requeued) if s is not None])
+    click.echo(f"requeued {report.requeued}, failed {report.failed}, cancelled {report.cancelled}")

@@ -1,0 +1,358 @@
+"""ShardRunner: the bridge between the job store and the one long-lived engine of a worker process.
+
+It claims shards, feeds their pending requests into the engine, and writes finished requests back in
+small batches fenced by each shard's lease token. It keeps several shards in flight (claiming the next
+one before the current one drains) so the running batch never empties at a shard boundary. The same
+code serves the local mode (`batchinfer run`, `batchinfer worker` without a broker) and Celery tasks.
+
+Ordering rules that keep "every custom_id exactly once" true:
+- a result is written before its shard is completed; complete_shard errors whatever is still pending;
+- a shard whose lease is lost or whose job stopped is aborted in the engine and released, never completed;
+- after a crash nothing of ours is trusted: the rescuer returns the shard and only pending requests rerun.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from batchinfer.config import Settings
+from batchinfer.store import shards as shard_store
+from batchinfer.store.models import ShardStatus
+from batchinfer.store.shards import LeaseLost, PendingRequest, ShardLease
+
+logger = logging.getLogger("batchinfer.workers")
+
+# How often a held shard's lease is extended and its job checked for cancel/expiry, at most.
+MAX_CHECK_INTERVAL_S = 2.0
+# After a claim found nothing, wait this long before asking the database again (per runner loop).
+CLAIM_BACKOFF_S = 1.0
+
+
+@dataclass
+class _Flight:
+    """One shard this worker holds: its lease, the engine requests still out, results not yet written."""
+
+    lease: ShardLease
+    outstanding: set[str] = field(default_factory=set)
+    buffered: list[dict[str, Any]] = field(default_factory=list)
+    last_check: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Submitted:
+    """What the runner remembers of a request it gave the engine (enough to re-add it alone)."""
+
+    shard_id: int
+    request: PendingRequest
+    prompt: str | list[int]
+    params: Any
+
+
+@dataclass
+class RunStats:
+    """What one `work()` call did."""
+
+    shards_completed: int = 0
+    shards_released: int = 0
+    requests_finished: int = 0
+    requests_errored: int = 0
+    generation_tokens: int = 0
+
+
+ProgressCallback = Callable[[int, int], None]  # (requests finished now, tokens generated now)
+
+
+class ShardRunner:
+    """Runs shards of one model on one engine; see the module docstring for the guarantees."""
+
+    def __init__(self, *, engine: Any, sessions: sessionmaker[Session], model: str, worker_id: str,
+                 settings: Settings, max_shards_in_flight: int = 4) -> None:
+        self.engine = engine
+        self.sessions = sessions
+        self.model = model
+        self.worker_id = worker_id
+        self.settings = settings
+        self.max_shards_in_flight = max(2, max_shards_in_flight)
+        self._flights: dict[int, _Flight] = {}
+        self._submitted: dict[str, _Submitted] = {}
+        self._last_flush = time.monotonic()
+        self._next_claim_at = 0.0
+        self._check_interval = min(MAX_CHECK_INTERVAL_S, settings.lease_seconds / 3)
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def work(self, *, first_shard_id: int | None = None, job_id: int | None = None,
+             stop: threading.Event | None = None, on_progress: ProgressCallback | None = None) -> RunStats:
+        """Claim and run shards (only `job_id`'s when given) until none is left or `stop` is set."""
+        stats = RunStats()
+        stop = stop or threading.Event()
+        self._next_claim_at = 0.0
+        if first_shard_id is not None:
+            self._claim(shard_id=first_shard_id)
+        while True:
+            if not stop.is_set():
+                self._top_up(job_id)
+            elif self._flights:
+                self._release_all(stats)
+            if not self._flights:
+                if stop.is_set() or not self._top_up(job_id, force=True):
+                    break
+            try:
+                outputs = self.engine.step() if self.engine.has_unfinished() else []
+            except Exception as exc:  # one bad request must not take the worker down
+                logger.exception("engine step failed; isolating the culprit")
+                outputs = self._isolate_failure(exc)
+            tokens = 0
+            for output in outputs:
+                tokens += self._collect(output, stats)
+            stats.generation_tokens += tokens
+            if on_progress is not None and (outputs or tokens):
+                on_progress(len(outputs), tokens)
+            self._maybe_flush(force=False)
+            self._check_leases(stats)
+            self._complete_drained(stats)
+        self._maybe_flush(force=True)
+        return stats
+
+    def _top_up(self, job_id: int | None, *, force: bool = False) -> bool:
+        """Claim another shard when fewer than two are held or the engine is about to run dry."""
+        now = time.monotonic()
+        if not force and now < self._next_claim_at:
+            return False
+        claimed = False
+        while len(self._flights) < self.max_shards_in_flight and (
+            len(self._flights) < 2 or self.engine.get_num_unfinished() < self.engine.config.max_num_seqs
+        ):
+            if not self._claim(job_id=job_id):
+                self._next_claim_at = now + CLAIM_BACKOFF_S
+                break
+            claimed = True
+        return claimed
+
+    # --- claiming and feeding ------------------------------------------------------------------------
+
+    def _claim(self, *, shard_id: int | None = None, job_id: int | None = None) -> bool:
+        with self.sessions() as session:
+            if shard_id is None and job_id is not None:
+                candidates = shard_store.list_shards(session, job_id=job_id, status=ShardStatus.AVAILABLE)
+                lease = None
+                for shard in candidates:
+                    lease = shard_store.claim_shard(session, worker_id=self.worker_id, shard_id=shard.id)
+                    if lease is not None:
+                        break
+            else:
+                lease = shard_store.claim_shard(session, worker_id=self.worker_id, model=self.model,
+                                                shard_id=shard_id)
+            if lease is None:
+                return False
+            pending = shard_store.pending_requests(session, shard_id=lease.shard_id)
+        flight = _Flight(lease=lease)
+        self._flights[lease.shard_id] = flight
+        logger.info("claimed shard %s of job %s (%d pending)", lease.shard_id, lease.job_id, len(pending))
+        for request in pending:
+            self._submit(flight, request)
+        return True
+
+    def _submit(self, flight: _Flight, request: PendingRequest) -> None:
+        from batchinfer.engine.sampling_params import SamplingParams
+
+        engine_id = str(request.request_id)
+        try:
+            params = SamplingParams(**request.params)
+            prompt = self._prompt(request)
+            self.engine.add_request(engine_id, prompt, params)
+        except (ValueError, TypeError) as exc:
+            flight.buffered.append(_error(request.request_id, "invalid_request", str(exc)))
+            return
+        flight.outstanding.add(engine_id)
+        self._submitted[engine_id] = _Submitted(flight.lease.shard_id, request, prompt, params)
+
+    def _prompt(self, request: PendingRequest) -> str | list[int]:
+        if request.messages is None:
+            assert request.prompt is not None
+            return request.prompt
+        text = self.engine.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
+                                                         tokenize=False)
+        # The template already holds the special tokens (BOS); tokenizing must not add them again.
+        return self.engine.tokenize(text, add_special_tokens=False)
+
+    # --- results -------------------------------------------------------------------------------------
+
+    def _collect(self, output: Any, stats: RunStats) -> int:
+        submitted = self._submitted.pop(output.request_id, None)
+        if submitted is None:
+            return 0
+        flight = self._flights.get(submitted.shard_id)
+        tokens = sum(len(c.token_ids) for c in output.outputs)
+        if flight is None:
+            return tokens
+        flight.outstanding.discard(output.request_id)
+        flight.buffered.append(_result(submitted.request, output))
+        stats.requests_finished += 1
+        return tokens
+
+    def _maybe_flush(self, *, force: bool) -> None:
+        buffered = sum(len(f.buffered) for f in self._flights.values())
+        if not buffered:
+            return
+        interval_passed = (time.monotonic() - self._last_flush) * 1000 >= self.settings.write_interval_ms
+        if not (force or interval_passed or buffered >= self.settings.write_batch_size):
+            return
+        for shard_id, flight in list(self._flights.items()):
+            if flight.buffered:
+                self._flush(shard_id, flight)
+        self._last_flush = time.monotonic()
+
+    def _flush(self, shard_id: int, flight: _Flight) -> bool:
+        results, flight.buffered = flight.buffered, []
+        try:
+            with self.sessions() as session:
+                shard_store.write_results(session, shard_id=shard_id, lease_token=flight.lease.lease_token,
+                                          results=results)
+        except LeaseLost:
+            logger.warning("lease of shard %s lost; dropping it", shard_id)
+            self._drop(shard_id)
+            return False
+        return True
+
+    # --- leases, cancel, completion ------------------------------------------------------------------
+
+    def _check_leases(self, stats: RunStats) -> None:
+        now = time.monotonic()
+        for shard_id, flight in list(self._flights.items()):
+            if now - flight.last_check < self._check_interval:
+                continue
+            flight.last_check = now
+            with self.sessions() as session:
+                alive = shard_store.heartbeat(session, shard_id=shard_id, lease_token=flight.lease.lease_token)
+            if not alive:  # job cancelled or expired, or the lease went to someone else
+                logger.info("shard %s stopped (job no longer in progress or lease lost)", shard_id)
+                self._abort_requests(flight)
+                if flight.buffered:
+                    self._flush(shard_id, flight)
+                self._release(shard_id, flight, stats)
+
+    def _complete_drained(self, stats: RunStats) -> None:
+        for shard_id, flight in list(self._flights.items()):
+            if flight.outstanding:
+                continue
+            if flight.buffered and not self._flush(shard_id, flight):
+                continue
+            try:
+                with self.sessions() as session:
+                    status = shard_store.complete_shard(session, shard_id=shard_id,
+                                                        lease_token=flight.lease.lease_token)
+                logger.info("completed shard %s (job now %s)", shard_id, status)
+                stats.shards_completed += 1
+            except LeaseLost:
+                logger.warning("lease of shard %s lost before completion", shard_id)
+            self._flights.pop(shard_id, None)
+
+    def _release_all(self, stats: RunStats) -> None:
+        """Shutdown: abort what is in flight, keep what finished, hand the shards back."""
+        for shard_id, flight in list(self._flights.items()):
+            self._abort_requests(flight)
+            if flight.buffered:
+                self._flush(shard_id, flight)
+            if shard_id in self._flights:
+                self._release(shard_id, flight, stats)
+
+    def _release(self, shard_id: int, flight: _Flight, stats: RunStats) -> None:
+        with self.sessions() as session:
+            shard_store.release_shard(session, shard_id=shard_id, lease_token=flight.lease.lease_token)
+        stats.shards_released += 1
+        self._flights.pop(shard_id, None)
+
+    def _abort_requests(self, flight: _Flight) -> None:
+        for engine_id in list(flight.outstanding):
+            self.engine.abort(engine_id)
+            self._submitted.pop(engine_id, None)
+        flight.outstanding.clear()
+
+    def _drop(self, shard_id: int) -> None:
+        flight = self._flights.pop(shard_id, None)
+        if flight is not None:
+            self._abort_requests(flight)
+
+    # --- failure isolation ---------------------------------------------------------------------------
+
+    def _isolate_failure(self, exc: Exception) -> list[Any]:
+        """A step raised: rerun every in-flight request alone, so only the one(s) that raise are errored."""
+        suspects = list(self._submitted.items())
+        for engine_id, _ in suspects:
+            self.engine.abort(engine_id)
+        finished: list[Any] = []
+        for engine_id, submitted in suspects:
+            flight = self._flights.get(submitted.shard_id)
+            try:
+                self.engine.add_request(engine_id, submitted.prompt, submitted.params)
+                while self.engine.has_unfinished():
+                    finished.extend(o for o in self.engine.step() if o.request_id == engine_id)
+            except Exception as solo_exc:  # this request is the culprit
+                self.engine.abort(engine_id)
+                self._submitted.pop(engine_id, None)
+                if flight is not None:
+                    flight.outstanding.discard(engine_id)
+                    flight.buffered.append(_error(submitted.request.request_id, "engine_error",
+                                                  f"the engine failed on this request: {solo_exc}"))
+        logger.info("isolated engine failure (%s): %d requests re-run alone", exc, len(suspects))
+        return finished
+
+
+# --- result dicts (see batchinfer.store.jobs.apply_results) ----------------------------------------
+
+
+def _error(request_id: int, code: str, message: str) -> dict[str, Any]:
+    return {"request_id": request_id, "error": {"code": code, "message": message}}
+
+
+def _result(request: PendingRequest, output: Any) -> dict[str, Any]:
+    choices = []
+    for completion in output.outputs:
+        choices.append({
+            "index": completion.index,
+            "text": completion.text,
+            "finish_reason": completion.finish_reason,
+            "logprobs": _logprobs(request, completion),
+        })
+    return {
+        "request_id": request.request_id,
+        "choices": choices,
+        "prompt_tokens": len(output.prompt_token_ids),
+        "completion_tokens": sum(len(c.token_ids) for c in output.outputs),
+        "cached_tokens": output.num_cached_tokens,
+    }
+
+
+def _logprobs(request: PendingRequest, completion: Any) -> dict[str, Any] | None:
+    """OpenAI's logprobs object (chat: a `content` list; completions: parallel lists), or None."""
+    if not completion.logprobs:
+        return None
+    num_top = int(request.params.get("logprobs") or 0)
+    positions = []
+    for token_id, per_position in zip(completion.token_ids, completion.logprobs, strict=False):
+        chosen = per_position.get(token_id)
+        ranked = sorted(per_position.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
+        positions.append((chosen, ranked[:num_top]))
+    if request.endpoint == "chat":
+        return {"content": [
+            {**_token_entry(chosen), "top_logprobs": [_token_entry(lp) for lp in top]} for chosen, top in positions
+        ]}
+    return {
+        "tokens": [_token_entry(chosen)["token"] for chosen, _ in positions],
+        "token_logprobs": [_token_entry(chosen)["logprob"] for chosen, _ in positions],
+        "top_logprobs": [{lp.decoded_token or "": lp.logprob for lp in top} for _, top in positions],
+    }
+
+
+def _token_entry(logprob: Any) -> dict[str, Any]:
+    token = (logprob.decoded_token or "") if logprob is not None else ""
+    return {"token": token, "logprob": logprob.logprob if logprob is not None else None,
+            "bytes": list(token.encode())}
