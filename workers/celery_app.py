@@ -88,4 +88,19 @@ def _on_shutdown(**_: object) -> None:
     shutdown_requested.set()
 
 
-app = create_celery_app() if get_settings().broker_url else None
+_app: Celery | None = None
+
+
+def get_app() -> Celery:
+    """The process's Celery app (built once from Settings)."""
+    global _app
+    if _app is None:
+        _app = create_celery_app()
+    return _app
+
+
+def __getattr__(name: str) -> Celery:
+    # `celery -A workers.celery_app` looks up `app`; build it only then, never at import.
+    if name == "app":
+        return get_app()
+    raise AttributeError(name)

@@ -28,20 +28,38 @@ def dispatch_job(*, job_id: int, settings: Settings | None = None, app: Any = No
     if not settings.broker_url:
         return 0
     if app is None:
-        from workers.celery_app import create_celery_app
+        from workers.celery_app import get_app
 
-        app = create_celery_app(settings)
+        app = get_app()
     with session_factory(settings.effective_database_url)() as session:
         shards = shard_store.list_shards(session, job_id=job_id, status=ShardStatus.AVAILABLE)
     return announce(app, shards)
 
 
-def rescue_and_redispatch(*, app: Any, settings: Settings | None = None) -> int:
-    """Rescue expired leases and announce the shards that went back to the queue."""
+def rescue_and_redispatch(*, app: Any, settings: Settings | None = None, wake_per_model: int = 2) -> int:
+    """Rescue expired leases, then announce available shards again.
+
+    Announcing is idempotent (a taken shard ignores its message), and it covers messages the broker lost
+    (a Redis restart without persistence): each model with available shards gets a few wake-up messages,
+    and a woken worker claims the rest from the database itself.
+    """
     settings = settings or get_settings()
     with session_factory(settings.effective_database_url)() as session:
         report = shard_store.rescue_expired(session)
         shards = [session.get(Shard, shard_id) for shard_id in report.requeued]
+        waiting = _available_per_model(session, limit_per_model=wake_per_model)
     if report.requeued or report.failed:
         logger.info("rescued shards: requeued %s, failed %s", report.requeued, report.failed)
-    return announce(app, [s for s in shards if s is not None])
+    seen = {s.id for s in shards if s is not None}
+    to_announce = [s for s in shards if s is not None] + [s for s in waiting if s.id not in seen]
+    return announce(app, to_announce)
+
+
+def _available_per_model(session: Any, *, limit_per_model: int) -> list[Shard]:
+    from sqlalchemy import func, select
+
+    ranked = (select(Shard.id, func.row_number().over(partition_by=Shard.model, order_by=(Shard.priority, Shard.id))
+                     .label("rank"))
+              .where(Shard.status == ShardStatus.AVAILABLE).subquery())
+    ids = session.scalars(select(ranked.c.id).where(ranked.c.rank <= limit_per_model)).all()
+    return [session.get(Shard, shard_id) for shard_id in ids]

@@ -33,6 +33,8 @@ logger = logging.getLogger("batchinfer.workers")
 MAX_CHECK_INTERVAL_S = 2.0
 # After a claim found nothing, wait this long before asking the database again (per runner loop).
 CLAIM_BACKOFF_S = 1.0
+# How often the worker table hears from a busy worker (`batchinfer workers`).
+WORKER_HEARTBEAT_S = 10.0
 
 
 @dataclass
@@ -84,6 +86,7 @@ class ShardRunner:
         self._submitted: dict[str, _Submitted] = {}
         self._last_flush = time.monotonic()
         self._next_claim_at = 0.0
+        self._last_worker_beat = time.monotonic()
         self._check_interval = min(MAX_CHECK_INTERVAL_S, settings.lease_seconds / 3)
 
     # --- the loop ------------------------------------------------------------------------------------
@@ -101,9 +104,8 @@ class ShardRunner:
                 self._top_up(job_id)
             elif self._flights:
                 self._release_all(stats)
-            if not self._flights:
-                if stop.is_set() or not self._top_up(job_id, force=True):
-                    break
+            if not self._flights and (stop.is_set() or not self._top_up(job_id, force=True)):
+                break
             try:
                 outputs = self.engine.step() if self.engine.has_unfinished() else []
             except Exception as exc:  # one bad request must not take the worker down
@@ -226,6 +228,10 @@ class ShardRunner:
 
     def _check_leases(self, stats: RunStats) -> None:
         now = time.monotonic()
+        if now - self._last_worker_beat >= WORKER_HEARTBEAT_S:
+            self._last_worker_beat = now
+            with self.sessions() as session:
+                shard_store.worker_heartbeat(session, worker_id=self.worker_id)
         for shard_id, flight in list(self._flights.items()):
             if now - flight.last_check < self._check_interval:
                 continue

@@ -43,19 +43,27 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
         click.echo(f"rescued expired shards: requeued {report.requeued}, failed {report.failed}", err=True)
 
     if settings.broker_url:
-        from workers.celery_app import create_celery_app, queue_name
+        import os
+        import socket
+        from pathlib import Path
+
+        from batchinfer.store import shards as shard_store
+        from batchinfer.store.db import session_factory
+        from workers.celery_app import get_app, queue_name
         from workers.dispatch import announce
 
-        app = create_celery_app(settings)
+        with session_factory(settings.effective_database_url)() as session:
+            shard_store.register_worker(session, worker_id=local.worker_id_for(model), model=model,
+                                        hostname=socket.gethostname(), pid=os.getpid())
+        app = get_app()
         if report.requeued:
-            from batchinfer.store.db import session_factory
             from batchinfer.store.models import Shard
 
             with session_factory(settings.effective_database_url)() as session:
                 announce(app, [s for s in (session.get(Shard, i) for i in report.requeued) if s is not None])
         # The solo pool runs tasks in this process: the engine is loaded once, after any fork, and kept.
         app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_name(model),
-                         "-n", f"batchinfer-{model}@%h", f"--loglevel={log_level.upper()}",
+                         "-n", f"batchinfer-{Path(model).name}-{os.getpid()}@%h", f"--loglevel={log_level.upper()}",
                          "--without-gossip", "--without-mingle"])
         return
 
@@ -103,9 +111,9 @@ def beat(log_level: str) -> None:
         click.echo("error: beat needs a broker (BATCHINFER_BROKER_URL); without one `batchinfer worker` "
                    "rescues on its own", err=True)
         sys.exit(1)
-    from workers.celery_app import create_celery_app
+    from workers.celery_app import get_app
 
-    create_celery_app(settings).start(["beat", f"--loglevel={log_level.upper()}"])
+    get_app().start(["beat", f"--loglevel={log_level.upper()}"])
 
 
 @click.command()
@@ -120,10 +128,10 @@ def rescue() -> None:
     if settings.broker_url and report.requeued:
         from batchinfer.store.db import session_factory
         from batchinfer.store.models import Shard
-        from workers.celery_app import create_celery_app
+        from workers.celery_app import get_app
         from workers.dispatch import announce
 
         with session_factory(settings.effective_database_url)() as session:
-            announce(create_celery_app(settings),
+            announce(get_app(),
                      [s for s in (session.get(Shard, i) for i in report.requeued) if s is not None])
     click.echo(f"requeued {report.requeued}, failed {report.failed}, cancelled {report.cancelled}")

@@ -1,0 +1,5 @@
+"""`python -m batchinfer` runs the CLI."""
+
+from batchinfer.cli import main
+
+main()
