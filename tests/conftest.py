@@ -8,6 +8,7 @@ default local address is tried and the tests needing it are skipped with the rea
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 import uuid
@@ -23,6 +24,10 @@ os.environ.setdefault("BATCHINFER_DATA_DIR", str(_SESSION_DIR / "data"))
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU the Triton kernels are tested in Triton's interpreter, which must be chosen before triton
+# is first imported anywhere in the process.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 for _var in ("BATCHINFER_DATABASE_URL", "BATCHINFER_BROKER_URL", "BATCHINFER_SERVER", "BATCHINFER_CONFIG"):
     os.environ.pop(_var, None)
 

@@ -1,0 +1,40 @@
+"""Triton kernels of the engine's CUDA path, and their pure-torch twins (suffix _ref).
+
+`import kernels` works without triton installed; only the _ref functions are usable then. The Triton
+kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
+"""
+
+from kernels.reference import paged_attention_ref, rms_norm_ref, store_kvcache_ref
+
+try:
+    import triton  # noqa: F401
+except ImportError as _exc:  # CPU-only install: keep the twins importable, fail clearly on the kernels
+    TRITON_AVAILABLE = False
+    _missing_triton = _exc
+
+    def _needs_triton(name: str):
+        def stub(*args, **kwargs):
+            raise ImportError(f"kernels.{name} needs the `triton` package; use kernels.{name}_ref on CPU") from (
+                _missing_triton)
+
+        stub.__name__ = name
+        return stub
+
+    paged_attention = _needs_triton("paged_attention")
+    rms_norm = _needs_triton("rms_norm")
+    store_kvcache = _needs_triton("store_kvcache")
+else:
+    TRITON_AVAILABLE = True
+    from kernels.paged_attention import paged_attention
+    from kernels.rmsnorm import rms_norm
+    from kernels.store_kvcache import store_kvcache
+
+__all__ = [
+    "TRITON_AVAILABLE",
+    "paged_attention",
+    "paged_attention_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "store_kvcache",
+    "store_kvcache_ref",
+]
