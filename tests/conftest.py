@@ -24,6 +24,9 @@ os.environ.setdefault("BATCHINFER_DATA_DIR", str(_SESSION_DIR / "data"))
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread per process: worker subprocesses run beside the test process, and on a shared 2-core
+# machine oversubscribed threads make small-model steps many times slower, not faster.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Without a GPU the Triton kernels are tested in Triton's interpreter, which must be chosen before triton
 # is first imported anywhere in the process.
 if shutil.which("nvidia-smi") is None:

@@ -1,0 +1,94 @@
+"""Incremental detokenization (vLLM's prefix/read offsets) and stop-string matching.
+
+Decoding one token alone is wrong for most tokenizers: SentencePiece drops the leading space of the
+first token, and a byte-level BPE token may hold half of a multi-byte character. So each new token is
+decoded inside a small window of the previous tokens:
+
+    prefix_text = decode(ids[prefix_offset:read_offset])     text already emitted for that window
+    full_text   = decode(ids[prefix_offset:])                the window plus the unread tokens
+    new text    = full_text[len(prefix_text):]
+
+If full_text ends in U+FFFD (an incomplete UTF-8 sequence) nothing is emitted and the offsets stay, so
+the next token completes the character. The window starts on the last prompt tokens, so the first
+output token is decoded with its left context too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchinfer.engine.sampling_params import SamplingParams
+
+INITIAL_CONTEXT_TOKENS = 5  # prompt tokens decoded as left context of the first output token
+
+
+class IncrementalDetokenizer:
+    """The output text of one sequence, grown token by token, with stop strings applied."""
+
+    def __init__(self, tokenizer: Any, num_prompt_tokens: int, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.output_text = ""
+        self.prefix_offset = max(num_prompt_tokens - INITIAL_CONTEXT_TOKENS, 0)
+        self.read_offset = num_prompt_tokens
+        assert isinstance(params.stop, list)
+        self.stop = params.stop
+        # While running, hold back as many characters as could start a stop string, so a streamed text
+        # never shows a stop string that is later cut off.
+        longest = max((len(s) for s in self.stop), default=0)
+        self._hold_back = 0 if params.include_stop_str_in_output else max(longest - 1, 0)
+
+    def update(self, token_ids: list[int], *, stop_terminated: bool, check_stop: bool) -> str | None:
+        """Decode the last token of `token_ids`; returns the stop string matched (text then cut), or None.
+
+        stop_terminated: the last token is EOS / a stop token id that ends the sequence; its text is left
+        out unless include_stop_str_in_output. check_stop: stop strings apply (min_tokens reached).
+        """
+        if stop_terminated and not self.params.include_stop_str_in_output:
+            return None
+        new_text = self._decode_new_text(token_ids)
+        if not new_text:
+            return None
+        self.output_text += new_text
+        if not (self.stop and check_stop):
+            return None
+        return self._apply_stop_strings(len(new_text))
+
+    def text(self, *, finished: bool) -> str:
+        """Text to show: all of it once finished, else without a possible partial stop string at the end."""
+        if finished or not self._hold_back:
+            return self.output_text
+        return self.output_text[: max(len(self.output_text) - self._hold_back, 0)]
+
+    def _decode_new_text(self, token_ids: list[int]) -> str:
+        skip = self.params.skip_special_tokens
+        prefix_text = self._decode(token_ids[self.prefix_offset : self.read_offset], skip)
+        full_text = self._decode(token_ids[self.prefix_offset :], skip)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""  # nothing printable yet: keep the offsets and wait for more tokens
+        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        return full_text[len(prefix_text) :]
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        if not token_ids:
+            return ""
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def _apply_stop_strings(self, num_new_chars: int) -> str | None:
+        """Find the earliest stop string touching the new text; cut the output there."""
+        text = self.output_text
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            # A match must end inside the new text; earlier text was checked on earlier tokens.
+            start = max(len(text) - num_new_chars - len(stop) + 1, 0)
+            index = text.find(stop, start)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        cut = index + len(stop) if self.params.include_stop_str_in_output else index
+        self.output_text = text[:cut]
+        return stop

@@ -1,0 +1,198 @@
+"""Batched per-request sampling: one pass over the [batch, vocab] logits for the whole step.
+
+Order (vLLM V1): raw log-softmax for logprobs -> min_tokens mask -> penalties -> greedy argmax for
+temperature-0 rows -> temperature -> min_p -> top_k / top_p -> exponential race. Per-request values
+travel as [batch] tensors; Python only loops over rows to collect parameters and, for seeded rows,
+to draw that row's noise from its own generator.
+
+Seeded requests are batch-invariant: row i's noise is q_i ~ Exp(1)^vocab drawn from a torch.Generator
+seeded with the request's seed and advanced once per sampled token, and argmax(p_i / q_i) is an exact
+sample from p_i (the exponential race / Gumbel-max trick), so neighbours in the batch cannot change it.
+Unseeded rows share one generator seeded from EngineConfig.seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchinfer.engine.sequence import Sequence
+
+
+@dataclass
+class SampleLogprobs:
+    """Logprob figures of one sampled token, from the raw (unprocessed) log-softmax."""
+
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the sampled token id, and its logprobs when the request asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs | None]
+
+
+class Sampler:
+    """Samples one token per row with each row's own SamplingParams."""
+
+    def __init__(self, *, seed: int = 0, device: str | torch.device = "cpu") -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> SamplerOutput:
+        """Sample the next token of every sequence; row i of `logits` belongs to seqs[i]."""
+        params = [seq.params for seq in seqs]
+        logits = logits.float()
+        device = logits.device
+        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
+
+        banned_rows, banned_cols = _min_tokens_bans(seqs, eos_token_ids)
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if banned_rows or penalized:
+            logits = logits.clone()  # the caller's logits stay untouched
+        if banned_rows:
+            logits[banned_rows, banned_cols] = float("-inf")
+        if penalized:
+            logits[penalized] = apply_penalties(
+                logits[penalized],
+                [seqs[i].prompt_token_ids for i in penalized],
+                [seqs[i].output_token_ids for i in penalized],
+                presence=_tensor([params[i].presence_penalty for i in penalized], device),
+                frequency=_tensor([params[i].frequency_penalty for i in penalized], device),
+                repetition=_tensor([params[i].repetition_penalty for i in penalized], device),
+            )
+
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if random_rows:
+            rows = logits[random_rows]
+            sub = [params[i] for i in random_rows]
+            rows = rows / _tensor([p.temperature for p in sub], device).unsqueeze(1)
+            if any(p.min_p > 0 for p in sub):
+                rows = apply_min_p(rows, _tensor([p.min_p for p in sub], device))
+            if any(p.top_k > 0 or p.top_p < 1 for p in sub):
+                vocab = rows.shape[1]
+                top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in sub], device=device)
+                rows = apply_top_k_top_p(rows, top_k, _tensor([p.top_p for p in sub], device))
+            probs = torch.softmax(rows, dim=-1)
+            noise = self._exponential_noise(probs, [seqs[i] for i in random_rows])
+            token_ids[random_rows] = probs.div_(noise).argmax(dim=-1)
+
+        sampled = token_ids.tolist()
+        logprobs: list[SampleLogprobs | None] = [None] * len(seqs)
+        if raw_logprobs is not None:
+            for row, figures in zip(
+                want_logprobs,
+                _gather_logprobs(
+                    raw_logprobs, token_ids[want_logprobs], [params[i].logprobs for i in want_logprobs]
+                ),
+                strict=True,
+            ):
+                logprobs[row] = figures
+        return SamplerOutput(token_ids=sampled, logprobs=logprobs)
+
+    def _exponential_noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Exp(1) noise per row: seeded rows from their own generator, the rest from the shared one."""
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, seq in enumerate(seqs) if seq.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_(
+                generator=self.generator
+            )
+        for i, seq in enumerate(seqs):
+            if seq.seed is not None:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(device=probs.device)
+                    seq.generator.manual_seed(seq.seed)
+                noise[i].exponential_(generator=seq.generator)
+        return noise
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    *,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM penalties: repetition on prompt+output tokens; frequency/presence (OpenAI) on output tokens."""
+    num_rows, vocab = logits.shape
+    prompt_counts = _bin_counts(prompt_token_ids, vocab, logits.device)
+    output_counts = _bin_counts(output_token_ids, vocab, logits.device)
+    seen = (prompt_counts > 0) | (output_counts > 0)
+    rep = torch.where(seen, repetition.unsqueeze(1), torch.ones_like(logits))
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - frequency.unsqueeze(1) * output_counts
+    return logits - presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the row's top probability."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k logits (ties at the k-th kept), then its top_p nucleus (vLLM's algorithm)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    kth_value = sorted_logits.gather(1, (logits.shape[1] - top_k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    outside_nucleus = cumulative <= (1 - top_p).unsqueeze(1)
+    outside_nucleus[:, -1] = False  # the top token always stays
+    sorted_logits = sorted_logits.masked_fill(outside_nucleus, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _min_tokens_bans(seqs: list[Sequence], eos: set[int]) -> tuple[list[int], list[int]]:
+    """(rows, token ids) to mask: EOS and stop token ids of sequences still short of min_tokens."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, seq in enumerate(seqs):
+        params = seq.params
+        if seq.num_output_tokens < params.min_tokens:
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
+            rows.extend([i] * len(banned))
+            cols.extend(banned)
+    return rows, cols
+
+
+def _bin_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] occurrence counts; rows are padded with the out-of-range id `vocab`."""
+    width = max((len(ids) for ids in token_lists), default=0)
+    padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+    for i, ids in enumerate(token_lists):
+        padded[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    counts = torch.zeros((len(token_lists), vocab + 1), device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
+
+
+def _gather_logprobs(
+    raw: torch.Tensor, sampled: torch.Tensor, wanted: list[int | None]
+) -> list[SampleLogprobs]:
+    token_logprob = raw.gather(1, sampled.unsqueeze(1))
+    ranks = ((raw > token_logprob).sum(dim=1) + 1).tolist()
+    num_top = max(n or 0 for n in wanted)
+    top_values, top_ids = raw.topk(num_top, dim=-1) if num_top else (raw[:, :0], raw[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [
+        SampleLogprobs(logprob=lp, rank=rank, top_token_ids=ids[: n or 0], top_logprobs=vals[: n or 0])
+        for lp, rank, ids, vals, n in zip(
+            token_logprob.squeeze(1).tolist(), ranks, top_ids, top_values, wanted, strict=True
+        )
+    ]
+
+
+def _tensor(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)

@@ -1,0 +1,158 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+One mechanism covers prefill, chunked prefill and decode: a sequence is scheduled for
+min(tokens not yet computed, budget left) tokens. Each step:
+
+1. RUNNING sequences, oldest admission first, each takes its next chunk (1 token when decoding).
+   When the block manager is out of blocks, the newest running sequence is preempted (blocks freed,
+   num_computed_tokens = 0, put at the front of the queue to be recomputed later) until the current
+   one fits; if it is itself the newest, it is the one preempted.
+2. If nothing was preempted, queued sequences are admitted in order (preempted ones first, then by
+   (priority, arrival), lower priority value first) while token budget, max_num_seqs and blocks last.
+   A prefix-cache hit is taken at admission and only the uncached tokens count against the budget.
+   Admission stops at the first sequence that does not fit: later ones never jump the queue, so
+   nobody starves.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchinfer.engine.block_manager import BlockManager
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The step's work: (sequence, number of tokens to compute) in batch order, plus what was preempted."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens computed this step."""
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    """Iteration-level scheduler over a running list and a (priority, arrival)-ordered queue."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.running: list[Sequence] = []
+        self.preempted: deque[Sequence] = deque()  # the front of the queue
+        # (priority, arrival_time, insertion order, seq); aborted entries are dropped lazily at the top.
+        self._waiting: list[tuple[int, float, int, Sequence]] = []
+        self._order = itertools.count()
+        self._num_waiting = 0  # live entries of _waiting
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued sequences, preempted ones included."""
+        return self._num_waiting + len(self.preempted)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding blocks."""
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence is queued or running."""
+        return bool(self.running) or self.num_waiting > 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (WAITING)."""
+        heapq.heappush(self._waiting, (seq.priority, seq.arrival_time, next(self._order), seq))
+        self._num_waiting += 1
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's sequences and chunk sizes, allocating their KV slots."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()  # the newest admission
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+        if out.preempted:
+            return out  # blocks are short: admit nobody new this step
+
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self._peek_waiting()
+            if seq is None:
+                break
+            hits = self.block_manager.get_computed_blocks(seq)
+            num_cached = len(hits) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(seq, num_new, hits):
+                break
+            self._pop_waiting()
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+        return out
+
+    def free_finished(self) -> list[Sequence]:
+        """Drop finished sequences from the running list and free their blocks; returns them."""
+        finished = [seq for seq in self.running if seq.is_finished]
+        if finished:
+            self.running = [seq for seq in self.running if not seq.is_finished]
+            for seq in finished:
+                self.block_manager.free(seq)
+        return finished
+
+    def abort(self, seq: Sequence) -> None:
+        """Remove `seq` wherever it is, free its blocks and mark it FINISHED_ABORTED."""
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq.status == SequenceStatus.PREEMPTED:
+            self.preempted.remove(seq)
+        else:
+            self._num_waiting -= 1  # its heap entry is skipped when it reaches the top
+        seq.status = SequenceStatus.FINISHED_ABORTED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.preempted.appendleft(seq)
+
+    def _peek_waiting(self) -> Sequence | None:
+        if self.preempted:
+            return self.preempted[0]
+        while self._waiting and self._waiting[0][3].is_finished:
+            heapq.heappop(self._waiting)
+        return self._waiting[0][3] if self._waiting else None
+
+    def _pop_waiting(self) -> None:
+        if self.preempted:
+            self.preempted.popleft()
+        else:
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1

@@ -1,0 +1,140 @@
+"""Sequence: the state of one completion (one of a request's n) as it moves through the engine.
+
+The model runner reads three fields (brief, contract 2): `token_ids` (prompt + generated so far),
+`num_computed_tokens` (tokens whose K/V is in the cache) and `block_table` (physical block ids; block i
+holds positions [i * block_size, (i + 1) * block_size)).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any
+
+from batchinfer.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Lifecycle of a sequence.
+
+    WAITING -> RUNNING -> FINISHED_*          the normal path
+    RUNNING -> PREEMPTED -> RUNNING            out of KV blocks: blocks freed, recomputed when readmitted
+    WAITING | RUNNING | PREEMPTED -> FINISHED_ABORTED    abort()
+
+    WAITING     queued, never admitted; holds no blocks.
+    RUNNING     admitted; holds blocks for every computed token; scheduled each step while budget allows.
+    PREEMPTED   evicted from RUNNING under block pressure; holds no blocks, num_computed_tokens == 0;
+                waits at the front of the queue and recomputes prompt + generated tokens when readmitted.
+    FINISHED_STOPPED        EOS, a stop token id or a stop string (finish_reason "stop").
+    FINISHED_LENGTH_CAPPED  max_tokens or max_model_len reached (finish_reason "length").
+    FINISHED_ABORTED        abort() (finish_reason "abort").
+    """
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the three FINISHED_* states."""
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI finish_reason of a finished status ("stop", "length", "abort"), else None."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One completion of one request: its tokens, KV bookkeeping, sampling state and timings."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        max_tokens: int,
+        index: int = 0,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions
+        self.params = params
+        self.max_tokens = max_tokens  # resolved: params.max_tokens, or the room left in the context
+        self.seed = params.seed_for_child(index)
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.status = SequenceStatus.WAITING
+
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        self.block_table: list[int] = []
+        # Chained hashes of the full blocks of token_ids, filled lazily by the block manager. A function of
+        # the tokens and the cache salt only, so it survives preemption.
+        self.block_hashes: list[bytes] = []
+
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.logprobs: list[dict[int, Any]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.generator: Any = None  # torch.Generator for seeded sampling, created by the sampler
+        self.detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
+        self.num_preemptions = 0
+
+        self.arrival_time = arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None  # for inter-token latency
+        self.finished_time: float | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, request={self.request_id!r}, index={self.index}, "
+            f"status={self.status.name}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids (a copy)."""
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated token ids (a copy)."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the sequence reached a FINISHED_* status."""
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        """Append one sampled token."""
+        self.token_ids.append(token_id)
