@@ -76,10 +76,8 @@ def _register_tasks(app: Celery) -> None:
     @app.task(name=SCHEDULE_TICK, ignore_result=True)
     def schedule_tick() -> int:
         """Turn due schedule slots into jobs (exactly once per slot)."""
-        try:
-            from workers.scheduling import tick
-        except ImportError:  # scheduled pipelines not installed in this build
-            return 0
+        from workers.scheduling import tick
+
         return tick(app=app)
 
 

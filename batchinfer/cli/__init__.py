@@ -27,6 +27,8 @@ _COMMANDS: list[tuple[str, str]] = [
     ("batchinfer.cli.worker_cmd", "workers_"),
     ("batchinfer.cli.worker_cmd", "beat"),
     ("batchinfer.cli.worker_cmd", "rescue"),
+    ("batchinfer.cli.schedule_cmd", "schedule"),
+    ("batchinfer.cli.schedule_cmd", "scheduler"),
     ("batchinfer.cli.api_cmd", "api"),
     ("batchinfer.cli.apikey_cmd", "apikey"),
 ]

@@ -92,22 +92,29 @@ class RemoteClient:
                                  timeout=UPLOAD_TIMEOUT).json()
 
     def create_batch(self, input_file_id: str, *, endpoint: str, completion_window: str = "24h",
-                     metadata: dict[str, str] | None = None, model: str | None = None) -> dict[str, Any]:
-        """Create a batch from an uploaded file; returns the Batch object."""
+                     metadata: dict[str, str] | None = None, model: str | None = None,
+                     idempotency_key: str | None = None) -> dict[str, Any]:
+        """Create a batch from an uploaded file; returns the Batch object.
+
+        With `idempotency_key` the server returns the batch it first created under that key (a retried
+        nightly submit does not run twice)."""
         body: dict[str, Any] = {"input_file_id": input_file_id, "endpoint": endpoint,
                                 "completion_window": completion_window}
         if metadata:
             body["metadata"] = metadata
         if model:
             body["model"] = model
-        return self._request("POST", "/batches", json=body).json()
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return self._request("POST", "/batches", json=body, headers=headers).json()
 
     def submit(self, path: str | Path, *, model: str | None = None, metadata: dict[str, str] | None = None,
-               completion_window: str = "24h", endpoint: str | None = None) -> dict[str, Any]:
+               completion_window: str = "24h", endpoint: str | None = None,
+               idempotency_key: str | None = None) -> dict[str, Any]:
         """Upload `path` and create a batch from it; returns the Batch object."""
         uploaded = self.upload(path)
         return self.create_batch(uploaded["id"], endpoint=endpoint or detect_endpoint(path),
-                                 completion_window=completion_window, metadata=metadata, model=model)
+                                 completion_window=completion_window, metadata=metadata, model=model,
+                                 idempotency_key=idempotency_key)
 
     def get(self, batch_id: str) -> dict[str, Any]:
         """The Batch object of `batch_id`."""

@@ -1,0 +1,438 @@
+"""Batch file line formats (OpenAI Batch API): input lines, their normalization, output/error lines.
+
+Input, one JSON object per line, either the OpenAI form
+    {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
+or a shorthand {"messages": [...], ...} / {"prompt": "...", ...} with the sampling fields at top level
+(custom_id optional, default "line-<n>"; url implied by messages vs prompt).
+
+`parse_line` turns a line into a NormalizedRequest (endpoint, messages or prompt, vLLM sampling params)
+or raises LineError naming the field and the fix. It is the ingest hot path: hand-written checks, the
+value checks delegated to SamplingParams. The pydantic models document the same shapes (for the API
+schema and for tests); the output builders produce what export writes.
+
+Where the body omits max_tokens the request runs until the model's context is full (OpenAI's rule),
+so params carry max_tokens=None. The body's "model" is ignored: a job runs one model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, Field
+
+from batchinfer.engine.sampling_params import SamplingParams
+
+
+class Endpoint(StrEnum):
+    """The two supported endpoints; the value is what the requests table stores."""
+
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+
+URL_TO_ENDPOINT = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETIONS}
+ENDPOINT_TO_URL = {endpoint: url for url, endpoint in URL_TO_ENDPOINT.items()}
+MAX_CUSTOM_ID_CHARS = 512
+MAX_N = 128
+MAX_METADATA_KEYS = 16
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+ENVELOPE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+SAMPLING_FIELDS = frozenset({
+    "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
+    # vLLM extras
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+    "skip_special_tokens", "include_stop_str_in_output",
+})  # fmt: skip
+CHAT_ONLY_FIELDS = frozenset({"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+COMPLETION_ONLY_FIELDS = frozenset({"prompt", "logprobs"})
+ACCEPTED_IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream"})
+CHAT_FIELDS = SAMPLING_FIELDS | CHAT_ONLY_FIELDS | ACCEPTED_IGNORED_FIELDS
+COMPLETION_FIELDS = SAMPLING_FIELDS | COMPLETION_ONLY_FIELDS | ACCEPTED_IGNORED_FIELDS
+
+
+class LineError(ValueError):
+    """A line (or body) that cannot run. `code` is machine-readable, the message says what to fix."""
+
+    def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None,
+                 custom_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+        self.custom_id = custom_id  # the line's own custom_id when it could be read
+
+
+@dataclass(slots=True)
+class NormalizedRequest:
+    """One validated request: what a worker needs to run it (params use vLLM names)."""
+
+    custom_id: str
+    endpoint: Endpoint
+    messages: list[dict[str, Any]] | None
+    prompt: str | list[int] | None
+    params: dict[str, Any]
+
+    def prefix_text(self) -> str:
+        """The text a prompt starts with, as the model will see it (for grouping shared prefixes)."""
+        if self.messages is not None:
+            return "".join(f"<{m['role']}>{m['content']}\n" for m in self.messages)
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return " ".join(map(str, self.prompt or ()))
+
+    def payload(self) -> dict[str, Any]:
+        """What the requests table stores for a worker: the prompt or messages, and the params."""
+        if self.messages is not None:
+            return {"messages": self.messages, "params": self.params}
+        return {"prompt": self.prompt, "params": self.params}
+
+
+# --------------------------------------------------------------------------------------------- input
+
+
+def parse_line(line: bytes, line_number: int, *, max_metadata_bytes: int = 16 * 1024) -> NormalizedRequest:
+    """Parse and validate one input line (bytes without the newline) or raise LineError."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise LineError(f"not valid UTF-8 (byte {bad.start}: {line[bad.start:bad.start + 1]!r}); "
+                            "save the file as UTF-8", code="invalid_encoding") from None
+        raise LineError(f"invalid JSON: {exc}; each line must be one complete JSON object",
+                        code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise LineError(f"expected a JSON object, got {_json_type(obj)}", code="invalid_json")
+    shorthand = "body" not in obj and "url" not in obj and "method" not in obj
+    if shorthand and ("messages" in obj or "prompt" in obj):
+        return _parse_shorthand(obj, line_number, max_metadata_bytes)
+    if obj.keys() & ENVELOPE_FIELDS:
+        return _parse_envelope(obj, max_metadata_bytes)
+    raise LineError("line has none of custom_id/method/url/body (OpenAI batch form) nor messages/prompt "
+                    "(shorthand form)", code="missing_required_parameter")
+
+
+def normalize_body(url: str, body: dict[str, Any], *, custom_id: str = "",
+                   max_metadata_bytes: int = 16 * 1024) -> NormalizedRequest:
+    """Validate an OpenAI request body for `url` into a NormalizedRequest (raises LineError)."""
+    endpoint = URL_TO_ENDPOINT.get(url)
+    if endpoint is None:
+        raise LineError(f"url {url!r} is not supported; use one of {sorted(URL_TO_ENDPOINT)}",
+                        code="invalid_url", param="url", custom_id=custom_id or None)
+    return _normalize(endpoint, body, custom_id, "body.", max_metadata_bytes)
+
+
+def _parse_shorthand(obj: dict[str, Any], line_number: int, max_metadata_bytes: int) -> NormalizedRequest:
+    custom_id = obj.get("custom_id", f"line-{line_number}")
+    if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
+        raise LineError(f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters, got {custom_id!r:.80}",
+                        param="custom_id")
+    body = obj
+    if "custom_id" in obj:
+        body = {k: v for k, v in obj.items() if k != "custom_id"}
+    endpoint = Endpoint.CHAT if "messages" in obj else Endpoint.COMPLETIONS
+    return _normalize(endpoint, body, custom_id, "", max_metadata_bytes)
+
+
+def _parse_envelope(obj: dict[str, Any], max_metadata_bytes: int) -> NormalizedRequest:
+    custom_id = obj.get("custom_id")
+    readable_id = custom_id if isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS else None
+
+    def fail(message: str, code: str = "invalid_request", param: str | None = None) -> LineError:
+        return LineError(message, code=code, param=param, custom_id=readable_id)
+
+    if len(obj) != len(ENVELOPE_FIELDS) or not ENVELOPE_FIELDS.issuperset(obj):
+        unknown = obj.keys() - ENVELOPE_FIELDS
+        if unknown:
+            raise fail(f"unknown field {sorted(unknown)[0]!r}; a batch line has exactly custom_id, method, url "
+                       "and body", param=sorted(unknown)[0])
+        missing = sorted(ENVELOPE_FIELDS - obj.keys())[0]
+        raise fail(f"missing required field {missing!r}", "missing_required_parameter", missing)
+    if not isinstance(custom_id, str):
+        raise fail(f"custom_id must be a string, got {_json_type(custom_id)}", param="custom_id")
+    if not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
+        raise fail(f"custom_id must be 1 to {MAX_CUSTOM_ID_CHARS} characters, got {len(custom_id)}",
+                   param="custom_id")
+    if obj["method"] != "POST":
+        raise fail(f"method must be \"POST\", got {obj['method']!r}", "invalid_method", "method")
+    url, body = obj["url"], obj["body"]
+    if not isinstance(url, str) or url not in URL_TO_ENDPOINT:
+        raise fail(f"url {url!r} is not supported; use one of {sorted(URL_TO_ENDPOINT)}", "invalid_url", "url")
+    if not isinstance(body, dict):
+        raise fail(f"body must be a JSON object, got {_json_type(body)}", param="body")
+    return _normalize(URL_TO_ENDPOINT[url], body, custom_id, "body.", max_metadata_bytes)
+
+
+def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: str,
+               max_metadata_bytes: int) -> NormalizedRequest:
+    readable_id = custom_id or None
+
+    def fail(message: str, param: str, code: str = "invalid_request") -> LineError:
+        return LineError(f"{where}{param}: {message}", code=code, param=where + param, custom_id=readable_id)
+
+    messages = prompt = None
+    if endpoint is Endpoint.CHAT:
+        if "prompt" in body:
+            raise fail("unknown or unsupported field (prompt belongs to /v1/completions)", "prompt")
+        messages = _messages(body.get("messages"), fail)
+    else:
+        if "messages" in body:
+            raise fail("unknown or unsupported field (messages belong to /v1/chat/completions)", "messages")
+        prompt = _prompt(body.get("prompt"), fail)
+    options = {k: v for k, v in body.items() if k not in _PROMPT_AND_METADATA}
+    if "metadata" in body:
+        try:
+            validate_metadata(body["metadata"], max_bytes=max_metadata_bytes)
+        except ValueError as exc:
+            raise fail(str(exc), "metadata") from None
+    # Files repeat a handful of sampling configurations: validate each distinct one once. The key is the
+    # JSON text, so 1, 1.0 and true stay distinct.
+    key = (endpoint, orjson.dumps(options))
+    checked = _OPTIONS_CACHE.get(key)
+    if checked is None:
+        checked = _check_options(endpoint, options)
+        if len(_OPTIONS_CACHE) >= _OPTIONS_CACHE_SIZE:
+            _OPTIONS_CACHE.clear()
+        _OPTIONS_CACHE[key] = checked
+    if isinstance(checked, LineError):
+        raise fail(checked.message, checked.param or "", checked.code)
+    return NormalizedRequest(custom_id, endpoint, messages, prompt, dict(checked))
+
+
+_PROMPT_AND_METADATA = frozenset({"messages", "prompt", "metadata"})
+_OPTIONS_CACHE: dict[tuple[Endpoint, bytes], dict[str, Any] | LineError] = {}
+_OPTIONS_CACHE_SIZE = 4096
+
+
+def _check_options(endpoint: Endpoint, options: dict[str, Any]) -> dict[str, Any] | LineError:
+    """The vLLM params of a body's non-prompt fields, or the LineError (message without location) they earn."""
+    allowed = CHAT_FIELDS if endpoint is Endpoint.CHAT else COMPLETION_FIELDS
+    unknown = options.keys() - allowed
+    if unknown:
+        return LineError("unknown or unsupported field (check the spelling)", param=sorted(unknown)[0])
+    if options.get("stream"):
+        return LineError("streaming is not available in a batch; remove it or set it to false", param="stream")
+    params = {name: options[name] for name in SAMPLING_FIELDS.intersection(options)}
+    if "max_completion_tokens" in options:
+        if "max_tokens" in options and options["max_tokens"] != options["max_completion_tokens"]:
+            return LineError("give max_tokens or max_completion_tokens, not both with different values",
+                             param="max_completion_tokens")
+        params["max_tokens"] = options["max_completion_tokens"]
+    params.setdefault("max_tokens", None)  # OpenAI: no limit but the context
+    temperature = params.get("temperature")
+    if isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature > 2:
+        return LineError(f"must be between 0 and 2, got {temperature}", param="temperature")
+    if isinstance(params.get("n"), int) and params["n"] > MAX_N:
+        return LineError(f"must be at most {MAX_N}, got {params['n']}", param="n")
+    if endpoint is Endpoint.CHAT:
+        error = _chat_logprobs(options, params)
+        if error is not None:
+            return error
+    elif options.get("logprobs") is not None:
+        params["logprobs"] = options["logprobs"]  # completions: an int, the number of top logprobs
+    try:
+        SamplingParams(**params)
+    except (ValueError, TypeError) as exc:
+        param, _, message = str(exc).partition(": ")
+        return LineError(message or str(exc), code="invalid_value", param=param if message else "body")
+    return params
+
+
+_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+
+
+def _messages(messages: Any, fail: Any) -> list[dict[str, Any]]:
+    if messages is None:
+        raise fail("missing; a chat request needs a non-empty list of messages", "messages",
+                   "missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise fail(f"must be a non-empty list of {{role, content}} objects, got {_json_type(messages)}",
+                   "messages")
+    out = messages
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise fail(f"must be an object with role and content, got {_json_type(message)}", f"messages[{i}]")
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise fail(f"role {role!r} is not one of {sorted(CHAT_ROLES)}", f"messages[{i}].role")
+        if len(message) > 2 and not _MESSAGE_FIELDS.issuperset(message):
+            extra = sorted(message.keys() - _MESSAGE_FIELDS)[0]
+            raise fail(f"field {extra!r} is not supported (text chat: role, content, name)", f"messages[{i}]")
+        if isinstance(content, str):
+            continue
+        if isinstance(content, list) and content:
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise fail("only text parts {\"type\": \"text\", \"text\": ...} are supported",
+                               f"messages[{i}].content[{j}]")
+                texts.append(part["text"])
+            if out is messages:
+                out = list(messages)  # copy before rewriting content parts to one string
+            out[i] = {**message, "content": "\n".join(texts)}
+            continue
+        raise fail(f"must be a string or a list of text parts, got {_json_type(content)}", f"messages[{i}].content")
+    return out
+
+
+def _prompt(prompt: Any, fail: Any) -> str | list[int]:
+    if prompt is None:
+        raise fail("missing; a completion request needs a prompt string", "prompt", "missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise fail("must not be empty", "prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        raise fail("one prompt per line: put each prompt on its own line", "prompt")
+    raise fail(f"must be a string or a list of token ids, got {_json_type(prompt)}", "prompt")
+
+
+def _chat_logprobs(options: dict[str, Any], params: dict[str, Any]) -> LineError | None:
+    logprobs, top = options.get("logprobs"), options.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        return LineError(f"must be true or false for chat (use top_logprobs for a count), got {logprobs!r}",
+                         param="logprobs")
+    if top is not None:
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+            return LineError(f"must be an integer from 0 to 20, got {top!r}", param="top_logprobs")
+        if not logprobs:
+            return LineError("needs logprobs: true", param="top_logprobs")
+    if logprobs:
+        params["logprobs"] = top or 0
+    return None
+
+
+def validate_metadata(metadata: Any, *, max_bytes: int) -> dict[str, str] | None:
+    """OpenAI metadata rules: up to 16 string keys (<= 64 chars) and string values (<= 512 chars), small."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"metadata must be an object of string keys and values, got {_json_type(metadata)}")
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise ValueError(f"metadata has {len(metadata)} keys; at most {MAX_METADATA_KEYS} are allowed")
+    for key, value in metadata.items():
+        if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
+            raise ValueError(f"metadata[{key!r}]: keys must be <= 64 chars and values strings <= 512 chars")
+    size = len(orjson.dumps(metadata))
+    if size > max_bytes:
+        raise ValueError(f"metadata is {size} bytes; the limit is {max_bytes} (max_metadata_bytes)")
+    return metadata
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number" if math.isfinite(value) else "a non-finite number"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+# -------------------------------------------------------------------------------------------- output
+
+
+def response_body(*, endpoint: str, model: str, request_key: int, created: int, choices: list[dict[str, Any]],
+                  prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """A chat.completion / text_completion object from a worker's choices ({text, finish_reason, logprobs})."""
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+    if endpoint == Endpoint.CHAT:
+        out_choices = [{"index": c.get("index", i), "message": {"role": "assistant", "content": c["text"]},
+                        "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]}
+                       for i, c in enumerate(choices)]
+        return {"id": f"chatcmpl-batch-{request_key}", "object": "chat.completion", "created": created,
+                "model": model, "choices": out_choices, "usage": usage}
+    out_choices = [{"index": c.get("index", i), "text": c["text"], "logprobs": c.get("logprobs"),
+                    "finish_reason": c["finish_reason"]} for i, c in enumerate(choices)]
+    return {"id": f"cmpl-batch-{request_key}", "object": "text_completion", "created": created,
+            "model": model, "choices": out_choices, "usage": usage}
+
+
+def output_line(*, request_key: int, custom_id: str, body: dict[str, Any] | orjson.Fragment) -> dict[str, Any]:
+    """A success line of the output file (`body` may be pre-serialized JSON as an orjson.Fragment)."""
+    return {"id": f"batch_req_{request_key}", "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": f"req_{request_key}", "body": body}, "error": None}
+
+
+def error_line(*, request_key: int, custom_id: str, code: str, message: str) -> dict[str, Any]:
+    """A line of the error file: same shape as a success line, response null."""
+    return {"id": f"batch_req_{request_key}", "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}
+
+
+# -------------------------------------------------------------------------------- schemas (documentation)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class BatchInputLine(BaseModel):
+    """The OpenAI batch input line."""
+
+    custom_id: str = Field(min_length=1, max_length=MAX_CUSTOM_ID_CHARS)
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions", "/v1/completions"]
+    body: dict[str, Any]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ResponseBody(BaseModel):
+    id: str
+    object: Literal["chat.completion", "text_completion"]
+    created: int
+    model: str
+    choices: list[dict[str, Any]]
+    usage: Usage
+
+
+class BatchResponse(BaseModel):
+    status_code: int
+    request_id: str
+    body: ResponseBody
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+
+
+class BatchOutputLine(BaseModel):
+    """A line of the output file (response set, error null) or of the error file (response null)."""
+
+    id: str
+    custom_id: str
+    response: BatchResponse | None
+    error: BatchError | None

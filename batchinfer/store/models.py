@@ -1,0 +1,421 @@
+"""SQLAlchemy 2.x models: File, Job, Shard, Request, Worker, ApiKey, Schedule, ScheduleRun, WebhookDelivery.
+
+Invariants (the store keeps them; tests check them):
+
+- A job's requests are numbered by input line (`line_number`, 1-based) and a custom_id appears at
+  most once per job (UNIQUE(job_id, custom_id); NULL for a duplicate line).
+- A request's id is `request_id_for(job_id, line_number)` = job_id << 32 | line_number, so the primary
+  key is unique per (job, line) and its order is input order: export scans a primary-key range, and
+  no (job_id, line_number) index has to be maintained while a million rows stream in.
+- A shard is a run of its job's valid requests: `request_lines` lists their line numbers in the order
+  a worker should feed them (sorted by a prompt-prefix key at ingest, so requests sharing a prefix sit
+  together). Requests carry no shard_id and no prefix index: the plan is computed in memory at
+  ingest (12 bytes a line) and written once with the shards, so a million requests stream in with
+  only their primary key and UNIQUE(job_id, custom_id) to maintain. A shard's requests are then
+  `id IN (request_id_for(job_id, line) ...)`: primary-key lookups. Invalid lines are in no shard.
+- Job counters (total/completed/failed requests, token usage) are columns updated in the same
+  transaction as the request rows they count, so a status poll is one primary-key read.
+- Status columns hold the values of the StrEnums below; every state has its own timestamp.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC (what every timestamp column stores)."""
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC datetimes on both databases (SQLite has no timezone type: stored naive UTC)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass a timezone-aware UTC datetime")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+# SQLite's rowid alias must be spelled INTEGER PRIMARY KEY (64-bit anyway); PostgreSQL gets BIGINT.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+LINE_BITS = 32
+
+
+def request_id_for(job_id: int, line_number: int) -> int:
+    """The primary key of a job's request: job_id << 32 | line_number (see the module docstring)."""
+    return (job_id << LINE_BITS) | line_number
+
+
+def request_id_range(job_id: int) -> tuple[int, int]:
+    """The (lowest, highest) request id a job can have."""
+    return job_id << LINE_BITS, (job_id << LINE_BITS) | ((1 << LINE_BITS) - 1)
+
+
+class JobStatus(StrEnum):
+    """Batch status, as in the OpenAI Batch API.
+
+    validating -> in_progress -> finalizing -> completed      (the happy path)
+    validating -> failed                                      (unusable file / on_invalid="fail")
+    in_progress -> cancelling -> cancelled                    (cancelling while a shard is still running)
+    validating | in_progress | cancelling -> expired          (completion_window passed)
+    """
+
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+JOB_TERMINAL = (JobStatus.FAILED, JobStatus.COMPLETED, JobStatus.EXPIRED, JobStatus.CANCELLED)
+
+
+class RequestStatus(StrEnum):
+    """One input line. pending -> succeeded | errored (by a worker, or at ingest for a bad line);
+    pending -> canceled (job cancelled) | expired (job expired). Only pending rows ever change."""
+
+    PENDING = "pending"
+    SUCCEEDED = "succeeded"
+    ERRORED = "errored"
+    CANCELED = "canceled"
+    EXPIRED = "expired"
+
+
+class ShardStatus(StrEnum):
+    """available -> running (claimed: lease_owner/lease_token/lease_expires_at set, attempt += 1)
+    running -> available (released, or lease expired with attempts left)
+    running -> completed | failed (max attempts used, or failed by the worker)
+    available | running -> cancelled (job cancelled or expired)"""
+
+    AVAILABLE = "available"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(
+        naming_convention={
+            "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+            "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+            "pk": "pk_%(table_name)s",
+        }
+    )
+
+
+class File(Base):
+    """An uploaded input file (purpose "batch"); its bytes live on disk at `path`."""
+
+    __tablename__ = "files"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128), default="")
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32), default="batch")
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    path: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    __table_args__ = (Index(None, "owner", "id"),)
+
+    @property
+    def file_id(self) -> str:
+        """The OpenAI-style public id."""
+        return f"file-{self.id}"
+
+
+class Job(Base):
+    """A batch: one input file run on one model. Counters and usage are kept current incrementally."""
+
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128), default="")
+    model: Mapped[str] = mapped_column(String(256))
+    endpoint: Mapped[str | None] = mapped_column(String(32))  # required url of every line, if set
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.VALIDATING)
+    input_file_id: Mapped[int | None] = mapped_column(ForeignKey("files.id", ondelete="SET NULL"))
+    input_path: Mapped[str | None] = mapped_column(Text)
+    completion_window: Mapped[str] = mapped_column(String(16), default="24h")
+    priority: Mapped[int] = mapped_column(Integer, default=0)  # vLLM convention: lower runs first
+    shard_size: Mapped[int] = mapped_column(Integer)
+    on_invalid: Mapped[str] = mapped_column(String(8), default="skip")
+    meta: Mapped[dict | None] = mapped_column("metadata", JSON)
+    idempotency_key: Mapped[str | None] = mapped_column(String(256))
+    errors: Mapped[list | None] = mapped_column(JSON)  # [{code, message, line, param}], first ones only
+    num_errors: Mapped[int] = mapped_column(Integer, default=0)  # all line errors, also those not listed
+    num_shards: Mapped[int] = mapped_column(Integer, default=0)
+
+    total_requests: Mapped[int] = mapped_column(Integer, default=0)
+    completed_requests: Mapped[int] = mapped_column(Integer, default=0)
+    failed_requests: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # created_at + completion_window
+    in_progress_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finalizing_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    __table_args__ = (
+        UniqueConstraint("owner", "idempotency_key"),
+        Index(None, "owner", "id"),  # list_jobs: newest first per owner, keyset on id
+        Index(None, "status", "expires_at"),  # expire_jobs
+    )
+
+    @property
+    def batch_id(self) -> str:
+        """The OpenAI-style public id."""
+        return f"batch_{self.id}"
+
+    @property
+    def request_counts(self) -> dict[str, int]:
+        """OpenAI `request_counts`."""
+        return {"total": self.total_requests, "completed": self.completed_requests, "failed": self.failed_requests}
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        """Token totals in the OpenAI usage shape."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class Shard(Base):
+    """A unit of work claimed by one worker under a lease; see the module docstring for its range."""
+
+    __tablename__ = "shards"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    ordinal: Mapped[int] = mapped_column(Integer)  # 0.. within the job, in prefix order
+    model: Mapped[str] = mapped_column(String(256))  # copied from the job: claim reads one table
+    priority: Mapped[int] = mapped_column(Integer, default=0)  # copied from the job
+    status: Mapped[str] = mapped_column(String(16), default=ShardStatus.AVAILABLE)
+    num_requests: Mapped[int] = mapped_column(Integer)
+    request_lines: Mapped[bytes] = mapped_column(LargeBinary)  # encode_lines(): uint32 LE, in run order
+
+    attempt: Mapped[int] = mapped_column(Integer, default=0)  # claims so far (a release gives one back)
+    max_attempts: Mapped[int] = mapped_column(Integer, default=3)
+    lease_owner: Mapped[str | None] = mapped_column(String(256))
+    lease_token: Mapped[str | None] = mapped_column(String(64))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_error: Mapped[str | None] = mapped_column(Text)
+
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # first claim
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    __table_args__ = (
+        UniqueConstraint("job_id", "ordinal"),
+        Index(None, "status", "model", "priority", "id"),  # claim: next available shard of a model
+        Index(None, "job_id", "status"),  # shards of a job by status (finalize, cancel)
+        Index(None, "status", "lease_expires_at"),  # rescue_expired
+    )
+
+    @property
+    def line_numbers(self) -> list[int]:
+        """The input lines of this shard's requests, in run order."""
+        return decode_lines(self.request_lines)
+
+    @property
+    def request_ids(self) -> list[int]:
+        """The primary keys of this shard's requests, in run order."""
+        base = request_id_for(self.job_id, 0)
+        return [base | line for line in decode_lines(self.request_lines)]
+
+
+def encode_lines(lines: Any) -> bytes:
+    """Line numbers -> bytes (uint32 little-endian), as Shard.request_lines stores them."""
+    packed = array("I", lines)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def decode_lines(data: bytes) -> list[int]:
+    """The inverse of encode_lines."""
+    packed = array("I")
+    packed.frombytes(data)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()
+
+
+class Request(Base):
+    """One input line and, once run, its result (the OpenAI response body, stored ready to export)."""
+
+    __tablename__ = "requests"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=False)  # request_id_for(...)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    line_number: Mapped[int] = mapped_column(Integer)
+    custom_id: Mapped[str | None] = mapped_column(String(512))  # NULL only for a duplicate line
+    status: Mapped[str] = mapped_column(String(10), default=RequestStatus.PENDING)
+    endpoint: Mapped[str | None] = mapped_column(String(16))  # "chat" | "completions"; NULL if unreadable
+    payload: Mapped[str | None] = mapped_column(Text)  # {"messages"|"prompt", "params"} JSON; NULL if invalid
+    response: Mapped[str | None] = mapped_column(Text)  # chat.completion / text_completion JSON
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    cached_tokens: Mapped[int | None] = mapped_column(Integer)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    __table_args__ = (
+        UniqueConstraint("job_id", "custom_id"),  # also the duplicate detector of ingest
+    )
+
+
+class Worker(Base):
+    """A worker process (one engine) and its liveness; the shards it holds are those it leases."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(256), default="")
+    model: Mapped[str] = mapped_column(String(256))
+    pid: Mapped[int | None] = mapped_column(Integer)
+    info: Mapped[dict | None] = mapped_column(JSON)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    stopped_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    __table_args__ = (Index(None, "last_heartbeat_at"),)
+
+
+class ApiKey(Base):
+    """An API key, stored as a hash (sha256 hex); `prefix` is the first characters, for display."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    name: Mapped[str | None] = mapped_column(String(128))
+    key_hash: Mapped[str] = mapped_column(String(128), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16), default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class ScheduleRunStatus(StrEnum):
+    """pending (slot claimed) -> submitted (job created) -> completed | failed (outputs written, or no input)."""
+
+    PENDING = "pending"
+    SUBMITTED = "submitted"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class Schedule(Base):
+    """A nightly pipeline: a cron slot in a timezone turns an input path template into one job."""
+
+    __tablename__ = "schedules"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    owner: Mapped[str] = mapped_column(String(128), default="")
+    cron: Mapped[str] = mapped_column(String(128))
+    timezone: Mapped[str] = mapped_column(String(64), default="UTC")
+    input_template: Mapped[str] = mapped_column(Text)
+    output_template: Mapped[str | None] = mapped_column(Text)
+    errors_template: Mapped[str | None] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(String(256))
+    params: Mapped[dict | None] = mapped_column(JSON)  # default sampling fields for lines that omit them
+    webhook_url: Mapped[str | None] = mapped_column(Text)
+    webhook_secret: Mapped[str | None] = mapped_column(String(256))
+    catchup: Mapped[str] = mapped_column(String(8), default="latest")  # latest | all | none
+    enabled: Mapped[bool] = mapped_column(default=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_slot_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # slots up to here are handled
+
+
+class ScheduleRun(Base):
+    """One slot of one schedule; UNIQUE(schedule_id, slot_at) makes each slot run exactly once."""
+
+    __tablename__ = "schedule_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    schedule_id: Mapped[int] = mapped_column(ForeignKey("schedules.id", ondelete="CASCADE"))
+    slot_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    manual: Mapped[bool] = mapped_column(default=False)
+    status: Mapped[str] = mapped_column(String(16), default=ScheduleRunStatus.PENDING)
+    job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
+    input_path: Mapped[str | None] = mapped_column(Text)
+    output_path: Mapped[str | None] = mapped_column(Text)
+    errors_path: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    __table_args__ = (UniqueConstraint("schedule_id", "slot_at"), Index(None, "status"))
+
+
+class WebhookDelivery(Base):
+    """The webhook outbox: one row per call to make, retried with backoff until delivered or given up."""
+
+    __tablename__ = "webhook_deliveries"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("schedule_runs.id", ondelete="CASCADE"))
+    url: Mapped[str] = mapped_column(Text)
+    payload: Mapped[str] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    last_attempt_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    gave_up_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    __table_args__ = (Index(None, "delivered_at", "next_attempt_at"),)

@@ -1,0 +1,371 @@
+"""Shard leases: claim, heartbeat, write results, complete / fail / release, rescue; the worker registry.
+
+Every function leaves the session with no open transaction. A worker owns a shard only through its lease token. Every write names the token and runs in one
+transaction that first re-reads the shard under a lock (PostgreSQL: `FOR UPDATE`; SQLite: the whole
+transaction is `BEGIN IMMEDIATE`), so a worker whose lease was rescued and handed to another (a
+zombie) writes nothing: the token no longer matches and LeaseLost is raised.
+
+Attempts: `attempt` counts claims. A release gives the attempt back; an expired lease (rescue) or
+a fail_shard spends it; the shard fails with `worker_lost` / the worker's error once `max_attempts`
+claims are spent, and its pending requests are errored so the job still finishes.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import orjson
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from batchinfer.store.db import end_transaction, is_sqlite, write_transaction
+from batchinfer.store.jobs import apply_results, finalize_if_done
+from batchinfer.store.models import Job, JobStatus, Request, RequestStatus, Shard, ShardStatus, Worker, utcnow
+
+RESCUE_LOCK_KEY = 0x6261746368  # pg advisory lock id: "batch"
+
+
+class LeaseLost(RuntimeError):
+    """The shard's lease token no longer matches: another worker (or the rescuer) owns the shard now."""
+
+
+@dataclass(frozen=True)
+class ShardLease:
+    """What claim_shard hands a worker."""
+
+    shard_id: int
+    job_id: int
+    lease_token: str
+    lease_expires_at: datetime
+    attempt: int
+    num_requests: int
+
+
+@dataclass(frozen=True)
+class PendingRequest:
+    """A request still to run: messages (chat) or prompt (completions) and vLLM sampling params."""
+
+    request_id: int
+    custom_id: str
+    line_number: int
+    endpoint: str  # "chat" | "completions"
+    messages: list[dict[str, Any]] | None
+    prompt: str | list[int] | None
+    params: dict[str, Any]
+
+
+@dataclass
+class RescueReport:
+    """Shards rescue_expired moved: back to available (announce them again), failed, cancelled."""
+
+    requeued: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    cancelled: list[int] = field(default_factory=list)
+    skipped: bool = False  # another rescuer held the lock
+
+
+def _settings() -> Any:
+    from batchinfer.config import get_settings
+
+    return get_settings()
+
+
+def claim_shard(session: Session, *, worker_id: str, model: str | None = None, shard_id: int | None = None,
+                lease_seconds: float | None = None, now: datetime | None = None) -> ShardLease | None:
+    """Lease the next available shard of `model` (lowest priority value, then oldest), or exactly `shard_id`.
+
+    One UPDATE ... WHERE id = (SELECT ... FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING statement; None when
+    nothing is available (a duplicate delivery of a shard id finds it taken and gets None).
+    """
+    if model is None and shard_id is None:
+        raise ValueError("claim_shard needs model= or shard_id=")
+    now = now or utcnow()
+    expires = now + timedelta(seconds=lease_seconds or _settings().lease_seconds)
+    token = secrets.token_hex(16)
+    pick = select(Shard.id).where(Shard.status == ShardStatus.AVAILABLE)
+    if model is not None:
+        pick = pick.where(Shard.model == model)
+    if shard_id is not None:
+        pick = pick.where(Shard.id == shard_id)
+    pick = pick.order_by(Shard.priority, Shard.id).limit(1).with_for_update(skip_locked=True)
+    claim = (update(Shard)
+             .where(Shard.id == pick.scalar_subquery(), Shard.status == ShardStatus.AVAILABLE)
+             .values(status=ShardStatus.RUNNING, attempt=Shard.attempt + 1, lease_owner=worker_id,
+                     lease_token=token, lease_expires_at=expires, started_at=func.coalesce(Shard.started_at, now))
+             .returning(Shard.id, Shard.job_id, Shard.attempt, Shard.num_requests)
+             .execution_options(synchronize_session=False))
+    with write_transaction(session):
+        row = session.execute(claim).first()
+    if row is None:
+        return None
+    return ShardLease(shard_id=row.id, job_id=row.job_id, lease_token=token, lease_expires_at=expires,
+                      attempt=row.attempt, num_requests=row.num_requests)
+
+
+def heartbeat(session: Session, *, shard_id: int, lease_token: str, lease_seconds: float | None = None,
+              now: datetime | None = None) -> bool:
+    """Extend the lease. False means stop working on the shard: the lease is lost, or the job is no longer
+    in progress (cancelled, expired); abort its in-flight requests and call release_shard."""
+    now = now or utcnow()
+    expires = now + timedelta(seconds=lease_seconds or _settings().lease_seconds)
+    active_jobs = select(Job.id).where(Job.status == JobStatus.IN_PROGRESS)
+    with write_transaction(session):
+        result = session.execute(
+            update(Shard).where(Shard.id == shard_id, Shard.lease_token == lease_token,
+                                Shard.status == ShardStatus.RUNNING, Shard.job_id.in_(active_jobs))
+            .values(lease_expires_at=expires).execution_options(synchronize_session=False))
+    return result.rowcount == 1
+
+
+def pending_requests(session: Session, *, shard_id: int) -> list[PendingRequest]:
+    """The shard's requests still pending, in prefix order (shared prompt prefixes next to each other)."""
+    shard = session.get(Shard, shard_id)
+    if shard is None:
+        raise LookupError(f"shard {shard_id} not found")
+    order = {request_id: position for position, request_id in enumerate(shard.request_ids)}
+    rows = []
+    for ids in _batches(list(order)):
+        rows += session.execute(
+            select(Request.id, Request.custom_id, Request.line_number, Request.endpoint, Request.payload)
+            .where(Request.id.in_(ids), Request.status == RequestStatus.PENDING)).all()
+    end_transaction(session)
+    rows.sort(key=lambda row: order[row.id])
+    out = []
+    for request_id, custom_id, line_number, endpoint, payload in rows:
+        data = orjson.loads(payload)
+        out.append(PendingRequest(request_id, custom_id, line_number, endpoint, data.get("messages"),
+                                  data.get("prompt"), data["params"]))
+    return out
+
+
+def _batches(ids: list[int], size: int = 5000) -> list[list[int]]:
+    """Split an id list for IN (...) clauses (SQLite caps bound parameters per statement)."""
+    return [ids[start:start + size] for start in range(0, len(ids), size)]
+
+
+def _lock_shard(session: Session, shard_id: int, lease_token: str) -> Shard:
+    query = (select(Shard).where(Shard.id == shard_id, Shard.lease_token == lease_token,
+                                 Shard.status == ShardStatus.RUNNING)
+             .execution_options(populate_existing=True))
+    if not is_sqlite(session):
+        query = query.with_for_update()
+    shard = session.scalar(query)
+    if shard is None:
+        raise LeaseLost(f"shard {shard_id}: lease token no longer valid (rescued, released or finished)")
+    return shard
+
+
+def _job(session: Session, job_id: int) -> Job:
+    query = select(Job).where(Job.id == job_id).execution_options(populate_existing=True)
+    if not is_sqlite(session):
+        query = query.with_for_update()
+    return session.scalars(query).one()
+
+
+def write_results(session: Session, *, shard_id: int, lease_token: str, results: list[dict[str, Any]],
+                  now: datetime | None = None) -> int:
+    """Record finished requests of the shard (fenced by the lease; see jobs.apply_results for the dicts).
+
+    Idempotent: only requests still pending change. Returns how many were recorded; raises LeaseLost.
+    """
+    now = now or utcnow()
+    with write_transaction(session):
+        shard = _lock_shard(session, shard_id, lease_token)
+        job = _job(session, shard.job_id)
+        return apply_results(session, job=job, results=results, shard=shard, now=now)
+
+
+def _error_pending(session: Session, shard: Shard, job: Job, code: str, message: str, now: datetime) -> int:
+    """Error the shard's still-pending requests (counted as failed)."""
+    count = 0
+    for ids in _batches(shard.request_ids):
+        count += session.execute(
+            update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.PENDING)
+            .values(status=RequestStatus.ERRORED, error_code=code, error_message=message, finished_at=now)
+            .execution_options(synchronize_session=False)).rowcount
+    if count:
+        job.failed_requests += count
+    return count
+
+
+def complete_shard(session: Session, *, shard_id: int, lease_token: str, now: datetime | None = None) -> str:
+    """Mark the shard done (fenced) and finish the job if it was the last; returns the job's status.
+
+    Requests the worker never wrote are errored with `missing_result`, so every line gets an answer.
+    """
+    now = now or utcnow()
+    with write_transaction(session):
+        shard = _lock_shard(session, shard_id, lease_token)
+        job = _job(session, shard.job_id)
+        _error_pending(session, shard, job, "missing_result", "the worker finished its shard without a result "
+                       "for this request", now)
+        if job.status == JobStatus.IN_PROGRESS:
+            shard.status, shard.completed_at = ShardStatus.COMPLETED, now
+        else:
+            shard.status, shard.cancelled_at = ShardStatus.CANCELLED, now
+        shard.lease_token = None
+        finalize_if_done(session, job=job, now=now)
+        return job.status
+
+
+def fail_shard(session: Session, *, shard_id: int, lease_token: str, error: str, retry: bool = True,
+               now: datetime | None = None) -> str:
+    """The worker could not run the shard (fenced). With attempts left and `retry` it becomes available
+    again; otherwise it fails and its pending requests are errored with `error`. Returns the shard status."""
+    now = now or utcnow()
+    with write_transaction(session):
+        shard = _lock_shard(session, shard_id, lease_token)
+        job = _job(session, shard.job_id)
+        _retire(session, shard, job, code="shard_failed", message=error, retry=retry, now=now)
+        finalize_if_done(session, job=job, now=now)
+        return shard.status
+
+
+def release_shard(session: Session, *, shard_id: int, lease_token: str, now: datetime | None = None) -> bool:
+    """Give the shard back without spending the attempt (e.g. shutdown, or heartbeat said stop).
+
+    Its finished results stay; a shard of a job no longer in progress is cancelled. False if the lease
+    was already lost (nothing to do)."""
+    now = now or utcnow()
+    try:
+        with write_transaction(session):
+            shard = _lock_shard(session, shard_id, lease_token)
+            job = _job(session, shard.job_id)
+            shard.attempt -= 1
+            _retire(session, shard, job, code="", message="", retry=True, now=now)
+            finalize_if_done(session, job=job, now=now)
+    except LeaseLost:
+        return False
+    return True
+
+
+def _retire(session: Session, shard: Shard, job: Job, *, code: str, message: str, retry: bool,
+            now: datetime) -> None:
+    """End a lease: shard -> available (attempts left), failed (pending errored) or cancelled (job over)."""
+    shard.lease_token, shard.lease_expires_at = None, None
+    if job.status != JobStatus.IN_PROGRESS:
+        shard.status, shard.cancelled_at = ShardStatus.CANCELLED, now
+    elif retry and shard.attempt < shard.max_attempts:
+        shard.status = ShardStatus.AVAILABLE
+        shard.last_error = message or shard.last_error
+    else:
+        shard.status, shard.failed_at, shard.last_error = ShardStatus.FAILED, now, message
+        _error_pending(session, shard, job, code, f"{message} (after {shard.attempt} attempt(s))", now)
+
+
+def rescue_expired(session: Session, *, now: datetime | None = None) -> RescueReport:
+    """Return shards whose lease expired to `available`, or fail them (`worker_lost`) after max_attempts.
+
+    Single-flight: PostgreSQL takes an advisory lock (a second rescuer returns skipped=True); on SQLite
+    the BEGIN IMMEDIATE transaction serializes rescuers.
+    """
+    now = now or utcnow()
+    report = RescueReport()
+    with write_transaction(session):
+        if not is_sqlite(session) and not session.scalar(select(func.pg_try_advisory_xact_lock(RESCUE_LOCK_KEY))):
+            report.skipped = True
+            return report
+        query = (select(Shard).where(Shard.status == ShardStatus.RUNNING, Shard.lease_expires_at < now)
+                 .order_by(Shard.id).execution_options(populate_existing=True))
+        if not is_sqlite(session):
+            query = query.with_for_update(skip_locked=True)  # a shard mid-write is not expired
+        jobs: dict[int, Job] = {}
+        for shard in session.scalars(query).all():
+            job = jobs.get(shard.job_id)
+            if job is None:
+                job = jobs[shard.job_id] = _job(session, shard.job_id)
+            lost = f"worker {shard.lease_owner} stopped heartbeating (lease expired)"
+            _retire(session, shard, job, code="worker_lost", message=lost, retry=True, now=now)
+            {ShardStatus.AVAILABLE: report.requeued, ShardStatus.FAILED: report.failed,
+             ShardStatus.CANCELLED: report.cancelled}[ShardStatus(shard.status)].append(shard.id)
+        session.flush()
+        for job in jobs.values():
+            finalize_if_done(session, job=job, now=now)
+    return report
+
+
+def list_shards(session: Session, *, job_id: int, status: str | None = None) -> list[Shard]:
+    """The job's shards in order (optionally of one status): dispatch announces the available ones."""
+    query = select(Shard).where(Shard.job_id == job_id).order_by(Shard.ordinal)
+    if status is not None:
+        query = query.where(Shard.status == status)
+    found = list(session.scalars(query))
+    end_transaction(session)
+    return found
+
+
+def shard_counts(session: Session, *, job_id: int) -> dict[str, int]:
+    """Number of the job's shards in each status."""
+    rows = session.execute(select(Shard.status, func.count()).where(Shard.job_id == job_id).group_by(Shard.status))
+    counts = {status: count for status, count in rows}
+    end_transaction(session)
+    return counts
+
+
+# ---------------------------------------------------------------------------------------- worker registry
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A registered worker, whether it heartbeated recently, and the shards it holds."""
+
+    worker_id: str
+    hostname: str
+    model: str
+    pid: int | None
+    started_at: datetime
+    last_heartbeat_at: datetime
+    live: bool
+    shard_ids: list[int]
+
+
+def register_worker(session: Session, *, worker_id: str, model: str, hostname: str = "", pid: int | None = None,
+                    info: dict[str, Any] | None = None, now: datetime | None = None) -> None:
+    """Record a worker starting (or restarting under the same id)."""
+    now = now or utcnow()
+    with write_transaction(session):
+        worker = session.get(Worker, worker_id, populate_existing=True)
+        if worker is None:
+            session.add(Worker(id=worker_id, model=model, hostname=hostname, pid=pid, info=info, started_at=now,
+                               last_heartbeat_at=now))
+        else:
+            worker.model, worker.hostname, worker.pid, worker.info = model, hostname, pid, info
+            worker.started_at, worker.last_heartbeat_at, worker.stopped_at = now, now, None
+
+
+def worker_heartbeat(session: Session, *, worker_id: str, now: datetime | None = None) -> bool:
+    """Mark the worker alive; False if it was never registered."""
+    with write_transaction(session):
+        result = session.execute(update(Worker).where(Worker.id == worker_id)
+                                 .values(last_heartbeat_at=now or utcnow())
+                                 .execution_options(synchronize_session=False))
+    return result.rowcount == 1
+
+
+def deregister_worker(session: Session, *, worker_id: str, now: datetime | None = None) -> None:
+    """Record a clean worker shutdown."""
+    with write_transaction(session):
+        session.execute(update(Worker).where(Worker.id == worker_id).values(stopped_at=now or utcnow())
+                        .execution_options(synchronize_session=False))
+
+
+def list_workers(session: Session, *, live_within_seconds: float = 60.0, include_dead: bool = False,
+                 now: datetime | None = None) -> list[WorkerInfo]:
+    """Workers with their running shards; live = heartbeat within `live_within_seconds` and not stopped."""
+    now = now or utcnow()
+    cutoff = now - timedelta(seconds=live_within_seconds)
+    held: dict[str, list[int]] = {}
+    for shard_id, owner in session.execute(select(Shard.id, Shard.lease_owner)
+                                           .where(Shard.status == ShardStatus.RUNNING).order_by(Shard.id)):
+        held.setdefault(owner, []).append(shard_id)
+    out = []
+    for worker in session.scalars(select(Worker).order_by(Worker.id)):
+        live = worker.stopped_at is None and worker.last_heartbeat_at >= cutoff
+        if live or include_dead:
+            out.append(WorkerInfo(worker.id, worker.hostname, worker.model, worker.pid, worker.started_at,
+                                  worker.last_heartbeat_at, live, held.get(worker.id, [])))
+    end_transaction(session)
+    return out
