@@ -7,7 +7,6 @@ server understands: a batch-level `model` (the model for lines whose body names 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import httpx
 
 DEFAULT_TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 UPLOAD_TIMEOUT = httpx.Timeout(None, connect=10.0)  # large files take as long as they take
+MAX_PAGE = 100  # the server's largest page of batches
 
 
 class RemoteError(RuntimeError):
@@ -33,25 +33,6 @@ class RemoteError(RuntimeError):
     def __str__(self) -> str:
         where = f" (HTTP {self.status_code})" if self.status_code else ""
         return f"{self.message}{where}"
-
-
-def detect_endpoint(path: str | Path) -> str:
-    """The batch endpoint implied by the first non-blank line: its `url`, or chat for `messages` shorthand."""
-    with open(path, "rb") as fh:
-        for raw in fh:
-            if not raw.strip():
-                continue
-            try:
-                line = json.loads(raw)
-            except ValueError:
-                break  # the server reports the bad line with its number
-            if isinstance(line, dict):
-                if isinstance(line.get("url"), str):
-                    return line["url"]
-                if "prompt" in line and "messages" not in line:
-                    return "/v1/completions"
-            break
-    return "/v1/chat/completions"
 
 
 class RemoteClient:
@@ -91,7 +72,7 @@ class RemoteClient:
             return self._request("POST", "/files", data={"purpose": purpose}, files=files,
                                  timeout=UPLOAD_TIMEOUT).json()
 
-    def create_batch(self, input_file_id: str, *, endpoint: str, completion_window: str = "24h",
+    def create_batch(self, input_file_id: str, *, endpoint: str | None = None, completion_window: str = "24h",
                      metadata: dict[str, str] | None = None, model: str | None = None,
                      idempotency_key: str | None = None) -> dict[str, Any]:
         """Create a batch from an uploaded file; returns the Batch object.
@@ -99,7 +80,7 @@ class RemoteClient:
         With `idempotency_key` the server returns the batch it first created under that key (a retried
         nightly submit does not run twice)."""
         body: dict[str, Any] = {"input_file_id": input_file_id, "endpoint": endpoint,
-                                "completion_window": completion_window}
+                                "completion_window": completion_window}  # endpoint None: lines may mix both
         if metadata:
             body["metadata"] = metadata
         if model:
@@ -110,9 +91,11 @@ class RemoteClient:
     def submit(self, path: str | Path, *, model: str | None = None, metadata: dict[str, str] | None = None,
                completion_window: str = "24h", endpoint: str | None = None,
                idempotency_key: str | None = None) -> dict[str, Any]:
-        """Upload `path` and create a batch from it; returns the Batch object."""
+        """Upload `path` and create a batch from it; returns the Batch object.
+
+        Without `endpoint` each line may use either endpoint (as `batchinfer submit` does locally)."""
         uploaded = self.upload(path)
-        return self.create_batch(uploaded["id"], endpoint=endpoint or detect_endpoint(path),
+        return self.create_batch(uploaded["id"], endpoint=endpoint,
                                  completion_window=completion_window, metadata=metadata, model=model,
                                  idempotency_key=idempotency_key)
 
@@ -121,11 +104,20 @@ class RemoteClient:
         return self._request("GET", f"/batches/{batch_id}").json()
 
     def list(self, limit: int = 20, after: str | None = None) -> dict[str, Any]:
-        """One page of batches, newest first (OpenAI list object with has_more / last_id)."""
-        params: dict[str, Any] = {"limit": limit}
-        if after:
-            params["after"] = after
-        return self._request("GET", "/batches", params=params).json()
+        """Up to `limit` batches, newest first, as one OpenAI list object (pages of 100 fetched as needed)."""
+        data: list[dict[str, Any]] = []
+        page: dict[str, Any] = {"has_more": True}
+        while len(data) < limit and page["has_more"]:
+            params: dict[str, Any] = {"limit": min(MAX_PAGE, limit - len(data))}
+            if after:
+                params["after"] = after
+            page = self._request("GET", "/batches", params=params).json()
+            data.extend(page["data"])
+            after = page.get("last_id")
+            if not page["data"]:
+                break
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": bool(page.get("has_more"))}
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         """Ask the server to cancel `batch_id`; returns the Batch object (cancelling or cancelled)."""

@@ -195,6 +195,13 @@ class BlockManager:
         block table, and the lookup is counted in the prefix-cache stats. The caller then sets
         seq.num_computed_tokens = len(new_computed_blocks) * block_size.
         """
+        bs = self.block_size
+        if new_computed_blocks is None:  # a running sequence's next chunk (every decode step): fast path
+            num_total_tokens = seq.num_computed_tokens + num_new_tokens
+            if num_total_tokens <= len(seq.block_table) * bs:  # fits the blocks it already holds
+                if self.enable_prefix_caching:
+                    self._hash_full_blocks(seq, num_total_tokens)
+                return True
         hits = new_computed_blocks or []
         if hits and (seq.block_table or seq.num_computed_tokens):
             raise RuntimeError(f"{seq} already holds blocks; cached blocks only head a fresh table")

@@ -22,11 +22,44 @@ from batchinfer.engine.sampling_params import SamplingParams
 INITIAL_CONTEXT_TOKENS = 5  # prompt tokens decoded as left context of the first output token
 
 
+def _rust_backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` behind a fast tokenizer whose decode is transformers' own, else None.
+
+    Its decode(ids, skip_special_tokens) is exactly what transformers' fast decode returns with
+    clean_up_tokenization_spaces=False, without the Python wrapping around it (about half the cost of
+    the per-token detokenization). A subclass that overrides decode keeps the slow, faithful path.
+    """
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerFast.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+    ):
+        return tokenizer.backend_tokenizer
+    return None
+
+
 class IncrementalDetokenizer:
     """The output text of one sequence, grown token by token, with stop strings applied."""
 
-    def __init__(self, tokenizer: Any, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        *,
+        token_texts: dict[int, str] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        self._backend = _rust_backend(tokenizer)
+        # decode([token]) by token id (fast tokenizers). Valid for one tokenizer and one skip_special_tokens
+        # value, so an engine shares one dict per value between its sequences. In steady decoding the prefix
+        # window is the one previous token: this saves one of the two decodes per token.
+        self._token_texts = {} if token_texts is None else token_texts
         self.params = params
         self.output_text = ""
         self.prefix_offset = max(num_prompt_tokens - INITIAL_CONTEXT_TOKENS, 0)
@@ -46,7 +79,23 @@ class IncrementalDetokenizer:
         """
         if stop_terminated and not self.params.include_stop_str_in_output:
             return None
-        new_text = self._decode_new_text(token_ids)
+        prefix_offset, read_offset = self.prefix_offset, self.read_offset
+        backend = self._backend
+        if backend is not None and read_offset - prefix_offset == 1:
+            # The steady state, inlined (this runs per sequence per step): one token of left context,
+            # whose text is cached, and one direct Rust decode.
+            skip = self.params.skip_special_tokens
+            token_id = token_ids[prefix_offset]
+            prefix_text = self._token_texts.get(token_id)
+            if prefix_text is None:
+                prefix_text = self._token_texts[token_id] = backend.decode([token_id], skip_special_tokens=skip)
+            full_text = backend.decode(token_ids[prefix_offset:], skip_special_tokens=skip)
+            if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+                return None  # nothing printable yet: keep the offsets and wait for more tokens
+            self.prefix_offset, self.read_offset = read_offset, len(token_ids)
+            new_text = full_text[len(prefix_text) :]
+        else:
+            new_text = self._decode_new_text(token_ids)
         if not new_text:
             return None
         self.output_text += new_text
@@ -72,6 +121,8 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         if not token_ids:
             return ""
+        if self._backend is not None:  # called per sequence per step: straight to Rust
+            return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(
             token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )

@@ -130,6 +130,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(seed=config.seed, device=self.model_runner.device)
         self._requests: dict[str, _Request] = {}
+        # decode([token id]) per skip_special_tokens value, shared by every sequence's detokenizer
+        self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}
         self._prompt_tokens = self._generation_tokens = self._num_steps = 0
         self._step_prompt_tokens = self._step_generation_tokens = 0
         self.metrics = EngineMetrics(config.model)
@@ -186,7 +188,10 @@ class Engine:
             for i in range(params.n)
         ]
         for seq in seqs:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.num_prompt_tokens, params)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, seq.num_prompt_tokens, params,
+                token_texts=self._token_texts[params.skip_special_tokens],
+            )
             self.scheduler.add(seq)  # siblings queue side by side, so they share the prompt's blocks
         text = prompt if isinstance(prompt, str) else None
         self._requests[request_id] = _Request(request_id, text, prompt_token_ids, seqs, arrival)
@@ -241,26 +246,34 @@ class Engine:
         if not scheduled:
             return []  # everything runnable was preempted this step; it is readmitted on the next
         self._num_steps += 1
-        now = time.time()
+        scheduled_time = time.time()
         logits = self.model_runner.execute_model(scheduled)
 
         rows: list[int] = []
-        for row, (seq, num_new) in enumerate(scheduled):
+        prompt_tokens = 0
+        for row, (seq, num_new) in enumerate(scheduled):  # per sequence per step: keep it lean
             if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
+                seq.first_scheduled_time = scheduled_time
             start = seq.num_computed_tokens
-            self._step_prompt_tokens += max(min(start + num_new, seq.num_prompt_tokens) - start, 0)
-            seq.num_computed_tokens = start + num_new
-            if seq.num_computed_tokens == seq.num_tokens:  # the chunk reached the end: sample
+            end = start + num_new
+            if start < seq.num_prompt_tokens:
+                prompt_tokens += min(end, seq.num_prompt_tokens) - start
+            seq.num_computed_tokens = end
+            if end == len(seq.token_ids):  # the chunk reached the end: sample
                 rows.append(row)
+        self._step_prompt_tokens = prompt_tokens
 
-        progressed: dict[str, _Request] = {}
+        progressed: dict[str, _Request] = {}  # requests to report: those with a finished sequence, or all
         if rows:
             seqs = [scheduled[row][0] for row in rows]
-            sampled = self.sampler(logits[rows], seqs, self.eos_token_ids)
+            # A decode step samples every row: skip the [rows, vocab] gather copy (tens of MB at vocab 49k).
+            sampled = self.sampler(logits if len(rows) == len(scheduled) else logits[rows], seqs,
+                                   self.eos_token_ids)
+            now = time.time()  # the tokens exist from here: first-token, inter-token and finish times
             for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
                 self._append_token(seq, token_id, logprobs, now)
-                progressed[seq.request_id] = self._requests[seq.request_id]
+                if include_unfinished or seq.is_finished:
+                    progressed[seq.request_id] = self._requests[seq.request_id]
             self._step_generation_tokens = len(rows)
         self._prompt_tokens += self._step_prompt_tokens
         self._generation_tokens += self._step_generation_tokens
@@ -315,7 +328,8 @@ class Engine:
         self, seq: Sequence, token_id: int, logprobs: SampleLogprobs | None, now: float
     ) -> None:
         """Record a sampled token and decide whether the sequence is done (vLLM's stop rules)."""
-        seq.append_token(token_id)
+        token_ids = seq.token_ids
+        token_ids.append(token_id)
         if seq.first_token_time is None:
             seq.first_token_time = now
             self._ttfts.append(now - seq.arrival_time)
@@ -326,22 +340,23 @@ class Engine:
             seq.logprobs.append(self._logprob_entry(token_id, logprobs))
             seq.cumulative_logprob += logprobs.logprob
         params = seq.params
+        num_tokens = len(token_ids)
         # EOS and stop token ids are masked before min_tokens; stop strings are ignored there too.
-        may_stop = seq.num_output_tokens > params.min_tokens
+        may_stop = num_tokens - seq.num_prompt_tokens > params.min_tokens
+        status = None  # the finished status, once decided
         if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
-            seq.status = SequenceStatus.FINISHED_STOPPED
-        elif may_stop and token_id in params.stop_token_ids:
-            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token_id
-        stop_string = seq.detokenizer.update(
-            seq.token_ids, stop_terminated=seq.is_finished, check_stop=may_stop
-        )
-        if not seq.is_finished and stop_string is not None:
-            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_string
-        if not seq.is_finished and (
-            seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
+            status = SequenceStatus.FINISHED_STOPPED
+        elif may_stop and params.stop_token_ids and token_id in params.stop_token_ids:
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token_id
+        stop_string = seq.detokenizer.update(token_ids, stop_terminated=status is not None, check_stop=may_stop)
+        if status is None and stop_string is not None:
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_string
+        if status is None and (
+            num_tokens - seq.num_prompt_tokens >= seq.max_tokens or num_tokens >= self.max_model_len
         ):
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-        if seq.is_finished:
+            status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        if status is not None:
+            seq.status = status
             seq.finished_time = now
 
     def _logprob_entry(self, token_id: int, figures: SampleLogprobs) -> dict[int, Logprob]:

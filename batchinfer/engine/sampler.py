@@ -50,11 +50,20 @@ class Sampler:
         params = [seq.params for seq in seqs]
         logits = logits.float()
         device = logits.device
-        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # One pass over the rows for the per-request switches (this runs for every sequence every step).
+        want_logprobs: list[int] = []
+        penalized: list[int] = []
+        random_rows: list[int] = []
+        for i, p in enumerate(params):
+            if p.logprobs is not None:
+                want_logprobs.append(i)
+            if p.has_penalties:
+                penalized.append(i)
+            if not p.is_greedy:
+                random_rows.append(i)
         raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
 
         banned_rows, banned_cols = _min_tokens_bans(seqs, eos_token_ids)
-        penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if banned_rows or penalized:
             logits = logits.clone()  # the caller's logits stay untouched
         if banned_rows:
@@ -69,8 +78,10 @@ class Sampler:
                 repetition=_tensor([params[i].repetition_penalty for i in penalized], device),
             )
 
-        token_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if len(random_rows) < len(seqs):
+            token_ids = argmax_rows(logits)
+        else:  # no greedy row: every row is drawn below
+            token_ids = torch.empty(len(seqs), dtype=torch.long, device=device)
         if random_rows:
             rows = logits[random_rows]
             sub = [params[i] for i in random_rows]
@@ -83,7 +94,7 @@ class Sampler:
                 rows = apply_top_k_top_p(rows, top_k, _tensor([p.top_p for p in sub], device))
             probs = torch.softmax(rows, dim=-1)
             noise = self._exponential_noise(probs, [seqs[i] for i in random_rows])
-            token_ids[random_rows] = probs.div_(noise).argmax(dim=-1)
+            token_ids[random_rows] = argmax_rows(probs.div_(noise)).to(device)
 
         sampled = token_ids.tolist()
         logprobs: list[SampleLogprobs | None] = [None] * len(seqs)
@@ -113,6 +124,17 @@ class Sampler:
                     seq.generator.manual_seed(seq.seed)
                 noise[i].exponential_(generator=seq.generator)
         return noise
+
+
+def argmax_rows(values: torch.Tensor) -> torch.Tensor:
+    """values.argmax(dim=-1) (first maximum wins, NaN counts as the maximum), as int64.
+
+    On CPU through numpy: torch's CPU argmax is not vectorised (~20 ms for 256 x 49152 on one thread),
+    numpy's SIMD argmax does the same in ~2.5 ms. Same result, ties and NaN included.
+    """
+    if values.device.type == "cpu" and values.dtype == torch.float32 and values.dim() == 2:
+        return torch.from_numpy(values.detach().numpy().argmax(axis=-1).astype("int64", copy=False))
+    return values.argmax(dim=-1)
 
 
 def apply_penalties(
@@ -160,7 +182,7 @@ def _min_tokens_bans(seqs: list[Sequence], eos: set[int]) -> tuple[list[int], li
     cols: list[int] = []
     for i, seq in enumerate(seqs):
         params = seq.params
-        if seq.num_output_tokens < params.min_tokens:
+        if params.min_tokens and seq.num_output_tokens < params.min_tokens:
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
             rows.extend([i] * len(banned))
             cols.extend(banned)

@@ -80,7 +80,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # the newest admission
                 self._preempt(victim)

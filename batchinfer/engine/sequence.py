@@ -40,7 +40,9 @@ class SequenceStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         """True for the three FINISHED_* states."""
-        return self in _FINISH_REASONS
+        # By value: a str lookup is C-level, while hashing an Enum member runs Enum.__hash__ in Python, and
+        # this is asked several times per sequence per step.
+        return self._value_ in _FINISHED_VALUES
 
     @property
     def finish_reason(self) -> str | None:
@@ -53,6 +55,8 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
 }
+
+_FINISHED_VALUES = frozenset(status.value for status in _FINISH_REASONS)
 
 _seq_ids = itertools.count()
 

@@ -99,7 +99,7 @@ def batch_object(job: Job, *, now: datetime | None = None) -> dict[str, Any]:
     return {
         "id": job.batch_id,
         "object": "batch",
-        "endpoint": job.endpoint or "/v1/chat/completions",
+        "endpoint": job.endpoint,  # None: created without one (CLI), each line may use either endpoint
         "model": job.model,
         "errors": errors,
         "input_file_id": f"file-{job.input_file_id}" if job.input_file_id is not None else None,

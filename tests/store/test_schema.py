@@ -8,6 +8,7 @@ import sys
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 
 from batchinfer.store.db import alembic_config, get_engine
@@ -18,7 +19,8 @@ def test_migrations_match_the_models(db_url):
     with get_engine(db_url).connect() as connection:
         context = MigrationContext.configure(connection, opts={"compare_type": True})
         assert compare_metadata(context, Base.metadata) == []
-        assert context.get_current_revision() == "0001"
+        head = ScriptDirectory.from_config(alembic_config(db_url)).get_current_head()
+        assert context.get_current_revision() == head
 
 
 def test_sqlite_pragmas_are_set(sqlite_db):

@@ -1,0 +1,139 @@
+"""GET /metrics: the process's Prometheus registry (engine metrics, API counters) plus job metrics read
+from the database at scrape time.
+
+The scrape-time queries are cheap by construction: jobs grouped by status read the jobs table only
+(request figures come from the jobs' incremental counters, never COUNT over requests), and the queue
+depth counts available shards through the (status, model, ...) index.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from batchinfer.metrics import PREFIX
+from batchinfer.store.models import Job, JobStatus, Shard, ShardStatus
+
+API_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# Process-wide families in the default registry (prometheus_client forbids registering a name twice).
+API_LATENCY = Histogram(f"{PREFIX}api_request_duration_seconds", "API request latency by route.",
+                        ["route", "method", "status"], buckets=API_LATENCY_BUCKETS)
+UPLOADED_BYTES = Counter(f"{PREFIX}api_uploaded_bytes", "Bytes of input files uploaded.")
+INGESTED_REQUESTS = Counter(f"{PREFIX}api_ingested_requests", "Request lines ingested by batches created over the API.")
+EXPORTED_LINES = Counter(f"{PREFIX}api_exported_lines", "Result lines served by /v1/files/{id}/content.", ["kind"])
+EXPORTED_BYTES = Counter(f"{PREFIX}api_exported_bytes", "Result bytes served by /v1/files/{id}/content.", ["kind"])
+
+# Where the requests a job has not finished stand, by the job's status.
+_UNFINISHED_REQUEST_STATUS = {
+    JobStatus.VALIDATING: "pending",
+    JobStatus.IN_PROGRESS: "pending",
+    JobStatus.FINALIZING: "pending",
+    JobStatus.CANCELLING: "pending",
+    JobStatus.CANCELLED: "canceled",
+    JobStatus.EXPIRED: "expired",
+    JobStatus.FAILED: "errored",
+    JobStatus.COMPLETED: "errored",
+}
+
+
+class JobsCollector(Collector):
+    """Job, request and queue gauges computed from the database at scrape time."""
+
+    def __init__(self, session_factory: sessionmaker[Session]) -> None:
+        self.session_factory = session_factory
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """Run the scrape-time queries and yield the gauges."""
+        jobs = GaugeMetricFamily(f"{PREFIX}jobs", "Jobs by status.", labels=["status"])
+        requests = GaugeMetricFamily(f"{PREFIX}job_requests", "Requests of all jobs by status (job counters).",
+                                     labels=["status"])
+        queue = GaugeMetricFamily(f"{PREFIX}queue_depth", "Shards available to claim, by model.", labels=["model"])
+        running = GaugeMetricFamily(f"{PREFIX}shards_running", "Shards leased by a worker, by model.",
+                                    labels=["model"])
+        with self.session_factory() as session:
+            by_status = session.execute(
+                select(Job.status, func.count(), func.sum(Job.total_requests), func.sum(Job.completed_requests),
+                       func.sum(Job.failed_requests)).group_by(Job.status)
+            ).all()
+            shards = session.execute(
+                select(Shard.status, Shard.model, func.count())
+                .where(Shard.status.in_([ShardStatus.AVAILABLE, ShardStatus.RUNNING]))
+                .group_by(Shard.status, Shard.model)
+            ).all()
+        request_totals = dict.fromkeys(("pending", "succeeded", "errored", "canceled", "expired"), 0)
+        job_counts = dict.fromkeys((str(s) for s in JobStatus), 0)
+        for status, count, total, completed, failed in by_status:
+            job_counts[str(status)] = job_counts.get(str(status), 0) + count
+            request_totals["succeeded"] += completed or 0
+            request_totals["errored"] += failed or 0
+            unfinished = (total or 0) - (completed or 0) - (failed or 0)
+            bucket = _UNFINISHED_REQUEST_STATUS.get(status, "pending")
+            request_totals[bucket] += max(unfinished, 0)
+        for status, count in job_counts.items():
+            jobs.add_metric([status], count)
+        for status, count in request_totals.items():
+            requests.add_metric([status], count)
+        for status, model, count in shards:
+            (queue if status == ShardStatus.AVAILABLE else running).add_metric([model], count)
+        yield from (jobs, requests, queue, running)
+
+
+def jobs_registry(session_factory: sessionmaker[Session]) -> CollectorRegistry:
+    """A registry holding one app's DB collector (kept apart from the process-wide default registry)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(JobsCollector(session_factory))
+    return registry
+
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics(request: Request) -> Response:
+    """Prometheus exposition: process metrics, then job metrics from the database."""
+    body = generate_latest(REGISTRY) + generate_latest(request.app.state.jobs_registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+class LatencyMiddleware:
+    """Observes every HTTP request's latency by route template (not raw path), method and status."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            API_LATENCY.labels(path, scope.get("method", ""), str(status)).observe(time.perf_counter() - start)

@@ -1,0 +1,336 @@
+"""/v1/batches: create (ingest in a background thread), retrieve, list, cancel.
+
+Creating a batch ingests its whole input file (parse, validate, insert, shard). That runs on the app's
+ingest thread pool, never on the event loop: the response waits up to SUBMIT_WAIT_S for it (small files
+answer `in_progress` or `failed` directly), then answers with the job as it stands (`validating`) while
+the ingest goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from concurrent.futures import Future
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Header, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from batchinfer.api import metrics
+from batchinfer.api.deps import Caller, CallerDep, OwnerDep, SessionsDep, SettingsDep, TTLCache, ingest_pool
+from batchinfer.api.errors import ERROR_RESPONSES, APIError, bad_request, not_found
+from batchinfer.config import Settings
+from batchinfer.formats import URL_TO_ENDPOINT, validate_metadata
+from batchinfer.store import files as file_store
+from batchinfer.store.ingest import IngestLimits
+from batchinfer.store.jobs import (
+    JobError,
+    cancel_job,
+    get_job,
+    list_jobs,
+    parse_completion_window,
+    submit_job,
+)
+from batchinfer.store.models import File, Job, JobStatus
+from batchinfer.store.serialize import batch_object, parse_batch_id, parse_file_id
+from workers.dispatch import dispatch_job
+
+logger = logging.getLogger("batchinfer.api")
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+SUBMIT_WAIT_S = 2.0  # how long POST /v1/batches waits for ingest before answering `validating`
+_ROW_POLL_S = 0.01
+
+BatchId = Annotated[str, Path(description="batch_<n>", examples=["batch_1"])]
+
+
+class CreateBatchRequest(BaseModel):
+    """OpenAI's create-batch body, plus `model` (the model to run; default: the server's default model)."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), json_schema_extra={"examples": [
+        {"input_file_id": "file-1", "endpoint": "/v1/chat/completions", "completion_window": "24h"}]})
+
+    input_file_id: str = Field(max_length=64, examples=["file-1"])
+    endpoint: str | None = Field(max_length=64, examples=["/v1/chat/completions"], description=(
+        "/v1/chat/completions or /v1/completions: every line must use it. Extension: omitted or null, each "
+        "line may use either (what `batchinfer submit --server` sends for a mixed file)."))
+    completion_window: str = Field("24h", max_length=16, description="OpenAI accepts only '24h'; also <n>s|m|h|d")
+    metadata: dict[str, str] | None = Field(None, examples=[{"team": "nlp"}])
+    model: str | None = Field(None, max_length=256, description="Extension: the model to run this batch on.")
+
+
+class BatchErrorItem(BaseModel):
+    code: str | None = None
+    line: int | None = None
+    message: str | None = None
+    param: str | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchErrorItem]
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchProgress(BaseModel):
+    """Extension: how far the batch is (OpenAI clients ignore it)."""
+
+    fraction: float
+    tokens_per_second: float | None = None
+    eta_seconds: float | None = None
+
+
+class BatchObject(BaseModel):
+    """OpenAI's Batch object (+ `model` and the `progress` extension)."""
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str | None  # null: a batch whose lines may use either endpoint (extension)
+    model: str | None = None
+    errors: BatchErrors | None = None
+    input_file_id: str | None
+    completion_window: str
+    status: str
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None = None
+    usage: dict[str, Any]
+    progress: BatchProgress
+
+
+class BatchList(BaseModel):
+    """OpenAI's list of batches, newest first."""
+
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+def _job_or_404(session: Session, owner: str, batch_id: str) -> Job:
+    job_id = parse_batch_id(batch_id)
+    job = get_job(session, job_id=job_id, owner=owner) if job_id is not None else None
+    if job is None:
+        raise not_found("batch", batch_id, param="batch_id")
+    return job
+
+
+def _validate(body: CreateBatchRequest, session: Session, owner: str, max_metadata_bytes: int) -> File:
+    if body.endpoint is not None and body.endpoint not in URL_TO_ENDPOINT:
+        raise bad_request(f"Unsupported endpoint '{body.endpoint}': use one of {', '.join(sorted(URL_TO_ENDPOINT))}.",
+                          param="endpoint", code="invalid_value")
+    try:
+        parse_completion_window(body.completion_window)
+    except JobError as exc:
+        raise bad_request(f"Invalid completion_window: {exc}.", param="completion_window",
+                          code="invalid_value") from None
+    try:
+        validate_metadata(body.metadata, max_bytes=max_metadata_bytes)
+    except ValueError as exc:
+        raise bad_request(f"Invalid metadata: {exc}.", param="metadata", code="invalid_value") from None
+    ref = parse_file_id(body.input_file_id)
+    row = file_store.get_file(session, owner=owner, file_id=ref.id) if ref and ref.kind == "input" else None
+    if row is None:
+        raise not_found("File", body.input_file_id, param="input_file_id")
+    if row.purpose != "batch":
+        raise bad_request(f"File '{body.input_file_id}' has purpose '{row.purpose}'; a batch needs a 'batch' file.",
+                          param="input_file_id")
+    return row
+
+
+def _submit(factory: sessionmaker[Session], settings: Settings, kwargs: dict[str, Any]) -> int:
+    """Runs on the ingest pool: the whole submit (create job, ingest, shard, announce); returns the job id."""
+    with factory() as session:
+        try:
+            job = submit_job(session, **kwargs)
+        except JobError:
+            raise
+        except Exception:
+            logger.exception("ingest of %s failed", kwargs.get("path"))
+            job_id = _job_id_by_key(session, kwargs["owner"], kwargs["idempotency_key"])
+            if job_id is None:
+                raise
+            return job_id  # submit_job marked it failed with an ingest_error
+    metrics.INGESTED_REQUESTS.inc(job.total_requests)
+    if job.status == JobStatus.IN_PROGRESS and settings.broker_url:
+        try:  # wake the Celery workers of the job's model; local-mode workers poll the database instead
+            dispatch_job(job_id=job.id, settings=settings)
+        except Exception:
+            logger.exception("could not announce the shards of job %s on the broker", job.id)
+    return job.id
+
+
+def _job_id_by_key(session: Session, owner: str, key: str) -> int | None:
+    return session.scalar(select(Job.id).where(Job.owner == owner, Job.idempotency_key == key))
+
+
+async def _wait_for_job(factory: sessionmaker[Session], owner: str, key: str, future: Future[int]) -> int:
+    """The job id: from the finished submit, or (ingest still running) from the row it committed first."""
+    wrapped = asyncio.wrap_future(future)
+    try:
+        return await asyncio.wait_for(asyncio.shield(wrapped), timeout=SUBMIT_WAIT_S)
+    except TimeoutError:
+        pass
+
+    def lookup() -> int | None:
+        with factory() as session:
+            return _job_id_by_key(session, owner, key)
+
+    while True:
+        if future.done():
+            return future.result()
+        job_id = await run_in_threadpool(lookup)
+        if job_id is not None:
+            return job_id
+        await asyncio.sleep(_ROW_POLL_S)
+
+
+@router.post("", response_model=BatchObject, responses=ERROR_RESPONSES, summary="Create a batch")
+async def create_batch(
+    body: CreateBatchRequest,
+    request: Request,
+    owner: OwnerDep,
+    settings: SettingsDep,
+    factory: SessionsDep,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> dict[str, Any]:
+    """Create a batch from an uploaded `batch` file; returns it `validating`, `in_progress` or `failed`."""
+
+    def validate() -> File:
+        with factory() as session:
+            return _validate(body, session, owner, settings.max_metadata_bytes)
+
+    file = await run_in_threadpool(validate)
+    key = f"api:{idempotency_key}" if idempotency_key else f"api:{uuid.uuid4().hex}"
+    kwargs = dict(model=body.model or settings.default_model, path=file.path, input_file_id=file.id, owner=owner,
+                  endpoint=body.endpoint, metadata=body.metadata, completion_window=body.completion_window,
+                  idempotency_key=key, shard_size=settings.shard_size, max_attempts=settings.max_attempts,
+                  limits=IngestLimits(settings.max_line_bytes, settings.max_requests_per_job,
+                                      settings.max_metadata_bytes))
+    future = ingest_pool(request.app).submit(_submit, factory, settings, kwargs)
+    try:
+        job_id = await _wait_for_job(factory, owner, key, future)
+    except JobError as exc:
+        raise bad_request(str(exc)) from None
+
+    def load() -> dict[str, Any]:
+        with factory() as session:
+            job = get_job(session, job_id=job_id, owner=owner)
+            if job is None:  # cannot happen: the job was just created for this owner
+                raise APIError(500, "The batch vanished while it was being created.")
+            return batch_object(job)
+
+    return await run_in_threadpool(load)
+
+
+# Routes are async and do their database work in one threadpool call (Caller.read): a sync route with
+# a response_model would cost FastAPI a second thread hop (it serializes the response in the threadpool).
+
+
+@router.get("", response_model=BatchList, responses=ERROR_RESPONSES, summary="List your batches")
+async def list_batches(
+    caller: CallerDep,
+    after: Annotated[str | None, Query(max_length=64)] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> dict[str, Any]:
+    """Your batches, newest first; `after` is the last id of the previous page."""
+    after_id = parse_batch_id(after) if after else None
+
+    def page(session: Session, owner: str) -> dict[str, Any]:
+        if after and after_id is None:
+            raise bad_request(f"Invalid 'after' cursor '{after}': pass the id of a batch from a previous page.",
+                              param="after")
+        jobs = list_jobs(session, owner=owner, after=after_id, limit=limit + 1)
+        data = [batch_object(job) for job in jobs[:limit]]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) > limit}
+
+    return await caller.read(page)
+
+
+@router.get("/{batch_id}", response_model=BatchObject, responses=ERROR_RESPONSES, summary="Retrieve a batch")
+async def retrieve_batch(batch_id: BatchId, caller: CallerDep, request: Request) -> dict[str, Any]:
+    """The batch's status, counts, usage and progress: the hot path of polling.
+
+    Clients polling a batch share its cached object (at most STATUS_CACHE_TTL_S old) and their key's
+    cached check (at most AUTH_CACHE_TTL_S old): a poll is answered on the event loop, and one
+    background read per half-TTL keeps both fresh, whatever the number of clients.
+    """
+    cache: TTLCache = request.app.state.status_cache
+    job_id = parse_batch_id(batch_id)
+
+    def read(session: Session, owner: str) -> dict[str, Any]:
+        job = _job_or_404(session, owner, batch_id)
+        batch = batch_object(job)
+        cache.put(job.id, (job.owner, batch))
+        return batch
+
+    owner = caller.cached_owner()
+    cached = cache.get(job_id) if owner is not None and job_id is not None else None
+    if cached is None or cached[0] != owner:
+        return await caller.read(read)
+    if cache.refresh_due(job_id) | caller.auth_refresh_due():  # `|`: claim both refreshes at once
+        _in_background(_refresh(caller, read, cache, job_id))
+    return cached[1]
+
+
+_background_tasks: set[asyncio.Task[None]] = set()
+
+
+def _in_background(coroutine: Any) -> None:
+    task = asyncio.get_running_loop().create_task(coroutine)
+    _background_tasks.add(task)  # the loop keeps only weak references to tasks
+    task.add_done_callback(_background_tasks.discard)
+
+
+async def _refresh(caller: Caller, read: Any, cache: TTLCache, job_id: int) -> None:
+    """Re-authenticate and re-read a polled batch; on any failure forget both, so the next poll asks the DB."""
+    try:
+        await caller.read(read)
+    except Exception:  # revoked key (401), deleted job (404), database trouble: no stale answer survives
+        cache.drop(job_id)
+        caller.forget_key()
+
+
+@router.post("/{batch_id}/cancel", response_model=BatchObject, responses=ERROR_RESPONSES, summary="Cancel a batch")
+async def cancel_batch(batch_id: BatchId, caller: CallerDep, request: Request) -> dict[str, Any]:
+    """Cancel: the batch is `cancelling` until running shards let go, then `cancelled`."""
+    batch = await run_in_threadpool(_cancel, caller, batch_id)
+    request.app.state.status_cache.drop(parse_batch_id(batch["id"]))  # read-your-writes for this client
+    return batch
+
+
+def _cancel(caller: Caller, batch_id: str) -> dict[str, Any]:
+    with caller.session() as (session, owner):
+        job = _job_or_404(session, owner, batch_id)
+        try:
+            job = cancel_job(session, job_id=job.id, owner=owner)
+        except JobError:
+            current = get_job(session, job_id=job.id, owner=owner)
+            status = current.status if current is not None else "unknown"
+            raise bad_request(f"Cannot cancel a batch with status '{status}'.", param="batch_id",
+                              code="invalid_batch_status") from None
+        return batch_object(job)
+

@@ -1,0 +1,1 @@
+"""Building blocks of the paged-attention models: attention, linear (tensor-parallel names), rotary, norm."""

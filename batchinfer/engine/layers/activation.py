@@ -1,0 +1,16 @@
+"""Gated activation of the Llama MLP: silu(gate) * up on one fused [.., 2 * I] projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """Split the last dim in halves (gate, up) and return silu(gate) * up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, 2 * I] -> [T, I]."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

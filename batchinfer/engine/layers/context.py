@@ -1,0 +1,50 @@
+"""The per-step attention context: batch layout tensors the model runner builds once per step and every
+attention layer reads (set before the forward, reset after), so the model's forward signature stays
+(input_ids, positions) as in a plain transformer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from batchinfer.engine.layers.attention import TorchAttentionPlan
+
+
+@dataclass
+class AttentionContext:
+    """Batch layout of one step (shared contract 3/4 names).
+
+    slot_mapping  [T] int64   cache slot of each new token (block_id * block_size + offset), -1 = skip
+    cu_seqlens_q  [S+1] int32 sequence s owns packed tokens cu_seqlens_q[s] : cu_seqlens_q[s+1]
+    seq_lens      [S] int32   context of s after this step (cached + new tokens)
+    block_tables  [S, B] int32 physical blocks of s, padded with -1
+    """
+
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    backend: str  # "torch" or "triton"
+    torch_plan: TorchAttentionPlan | None = None  # gather/mask plan of the torch backend
+
+
+_CONTEXT: AttentionContext | None = None
+
+
+def set_context(context: AttentionContext | None) -> None:
+    """Install the layout of the step about to run (None clears it)."""
+    global _CONTEXT
+    _CONTEXT = context
+
+
+def get_context() -> AttentionContext:
+    """The layout of the running step; attention layers call this."""
+    if _CONTEXT is None:
+        raise RuntimeError("no attention context set: run the model through ModelRunner.execute_model")
+    return _CONTEXT

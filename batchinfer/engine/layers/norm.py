@@ -1,0 +1,30 @@
+"""RMSNorm, rounded exactly like Hugging Face's LlamaRMSNorm, with a fused residual-add variant."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / rms(x); forward(x, residual) first adds the residual and returns (y, x + residual)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order and float32 upcast as transformers, so fp32 logits agree to the last bits.
+        xf = x.float()
+        variance = xf.pow(2).mean(-1, keepdim=True)
+        return self.weight * (xf * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalize x, or (x + residual) returning the sum too as the next residual."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,332 @@
+"""ModelRunner: owns the model and its paged KV cache; turns a scheduled batch into logits.
+
+One step (shared contract 3): for each (seq, n) the tokens seq.token_ids[c : c + n] (c =
+seq.num_computed_tokens) run at positions c .. c + n - 1; their K/V go to the cache slots of
+seq.block_table; every query attends causally to all earlier positions of its sequence. The runner
+packs all sequences' tokens into one flat batch and builds, once per step, the layout tensors the
+attention layers read from the per-step context:
+
+  input_ids, positions  [T]        packed new tokens of all sequences
+  slot_mapping          [T] int64  block_table[pos // block_size] * block_size + pos % block_size
+  cu_seqlens_q          [S+1] int32 prefix sums of the per-sequence new-token counts
+  seq_lens              [S] int32  c + n, the context after this step
+  block_tables          [S, max_blocks] int32, padded with -1
+
+CPU runs the torch attention path and never touches CUDA. CUDA runs the Triton kernels, sizes the KV cache
+from gpu_memory_utilization after a profiling forward at max_num_batched_tokens, and replays CUDA graphs
+captured at start for decode-only steps (batch sizes 1, 2, 4, 8, ... up to max_num_seqs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.layers.attention import Attention, build_torch_plan
+from batchinfer.engine.layers.context import AttentionContext, set_context
+from batchinfer.engine.loader import load_hf_config, load_weights, resolve_model_path
+from batchinfer.engine.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
+    context: AttentionContext
+    num_seqs: int
+    is_decode_only: bool
+    block_table_rows: list[list[int]] = field(default_factory=list)
+    seq_lens_list: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _ProfileSeq:
+    """Stand-in sequence for the profiling forward (the Sequence fields the runner reads)."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int = 0
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def resolve_attention_backend(requested: str, device: torch.device) -> str:
+    """'torch' or 'triton' for EngineConfig.attention_backend on this device."""
+    if requested == "auto":
+        if device.type != "cuda":
+            return "torch"
+        import kernels
+
+        return "triton" if kernels.TRITON_AVAILABLE else "torch"
+    return requested
+
+
+class ModelRunner:
+    """Loads the model, allocates the KV cache, and runs one scheduled step at a time."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        self.dtype = config.resolved_dtype()
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+        self.model_path = resolve_model_path(config.model)
+        self.hf_config = load_hf_config(self.model_path)
+        self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        model_cls = get_model_class(self.hf_config)
+        with _default_dtype(self.dtype), torch.device(self.device):
+            self.model = model_cls(self.hf_config, self.max_model_len)
+        load_weights(self.model, self.model_path)
+        self.model.eval()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        first = self.attention_layers[0]
+        self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
+        self.block_bytes = (
+            2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * self.head_dim
+            * self.dtype.itemsize
+        )
+        self._graphs: dict[int, Any] = {}  # decode batch size -> captured CUDA graph
+        if config.num_kv_blocks is not None:
+            self.num_kv_blocks = config.num_kv_blocks
+        elif self.device.type == "cuda":
+            self.num_kv_blocks = self._profile_num_kv_blocks()
+        else:
+            self.num_kv_blocks = config.kv_cache_memory_bytes // self.block_bytes
+        if self.num_kv_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget holds no block of {self.block_bytes} bytes; raise kv_cache_memory_bytes "
+                "(CPU), gpu_memory_utilization (CUDA) or set num_kv_blocks"
+            )
+        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
+            self._capture_cudagraphs()
+
+    # --- KV cache -------------------------------------------------------------------------------------
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """[layers, 2, num_blocks, block_size, Hkv, D], bound per layer as k_cache/v_cache views.
+
+        Zero-filled: the torch path reads padding slots under a -inf mask, and uninitialized memory may hold
+        NaN bit patterns, which survive the mask (NaN + -inf = NaN) and would poison the softmax.
+        """
+        cache = torch.zeros(
+            len(self.attention_layers), 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        for layer, attn in enumerate(self.attention_layers):
+            attn.k_cache, attn.v_cache = cache[layer, 0], cache[layer, 1]
+        return cache
+
+    def _profile_num_kv_blocks(self) -> int:
+        """Blocks that fit in gpu_memory_utilization after the weights and a max_num_batched_tokens forward."""
+        config = self.config
+        num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens))
+        seq_len = min(self.max_model_len, max(1, config.max_num_batched_tokens // num_seqs))
+        blocks_per_seq = math.ceil(seq_len / self.block_size)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._allocate_kv_cache(num_seqs * blocks_per_seq)
+        seqs = [
+            _ProfileSeq([0] * seq_len, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
+            for i in range(num_seqs)
+        ]
+        self.execute_model([(seq, seq_len) for seq in seqs])
+        torch.cuda.synchronize(self.device)
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = torch.tensor([])
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        # used: everything on the device now (weights, CUDA context, other processes); peak - current: the
+        # activations of the profiling step, which every later step may need again.
+        budget = total * config.gpu_memory_utilization - (total - free) - (peak - current)
+        num_blocks = int(budget) // self.block_bytes
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
+                    num_blocks * self.block_bytes / 2**30)
+        return num_blocks
+
+    # --- one step -------------------------------------------------------------------------------------
+
+    def _prepare(self, scheduled: Sequence[tuple[Any, int]]) -> _StepBatch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for seq, num_new in scheduled:
+            start = seq.num_computed_tokens
+            end = start + num_new
+            if num_new < 1 or end > len(seq.token_ids):
+                raise ValueError(
+                    f"scheduled {num_new} tokens from position {start} of a sequence with {len(seq.token_ids)} "
+                    "tokens: need 1 <= n <= len(token_ids) - num_computed_tokens"
+                )
+            if end > self.max_model_len:
+                raise ValueError(f"sequence reaches position {end} > max_model_len {self.max_model_len}")
+            if len(seq.block_table) * bs < end:
+                raise ValueError(
+                    f"block_table holds {len(seq.block_table)} blocks ({len(seq.block_table) * bs} slots) but the "
+                    f"step needs {end} positions; the block manager must allocate before the step"
+                )
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            q_lens.append(num_new)
+            seq_lens.append(end)
+            tables.append(seq.block_table)
+        num_seqs = len(scheduled)
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+        positions_t = torch.tensor(positions, dtype=torch.long)
+        q_lens_t = torch.tensor(q_lens, dtype=torch.long)
+        seq_index = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
+        slot_mapping = block_tables[seq_index, positions_t // bs].long() * bs + positions_t % bs
+        cu_seqlens_q = torch.zeros(num_seqs + 1, dtype=torch.int32)
+        torch.cumsum(q_lens_t, 0, out=cu_seqlens_q[1:])
+        logits_indices = cu_seqlens_q[1:].long() - 1
+        device = self.device
+        plan = None
+        if self.attention_backend == "torch":
+            plan = build_torch_plan(
+                q_lens=q_lens, seq_lens=seq_lens, block_tables=tables, slot_mapping=slot_mapping.to(device),
+                block_size=bs, dtype=self.dtype, device=device,
+            )
+        context = AttentionContext(
+            slot_mapping=_to(slot_mapping, device),
+            cu_seqlens_q=_to(cu_seqlens_q, device),
+            seq_lens=_to(torch.tensor(seq_lens, dtype=torch.int32), device),
+            block_tables=_to(block_tables, device),
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(seq_lens),
+            backend=self.attention_backend,
+            torch_plan=plan,
+        )
+        return _StepBatch(
+            input_ids=_to(torch.tensor(input_ids, dtype=torch.long), device),
+            positions=_to(positions_t, device),
+            logits_indices=_to(logits_indices, device),
+            context=context,
+            num_seqs=num_seqs,
+            is_decode_only=max(q_lens) == 1,
+            block_table_rows=tables,
+            seq_lens_list=seq_lens,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, scheduled: Sequence[tuple[Any, int]]) -> torch.Tensor:
+        """Run one step; float32 logits [len(scheduled), vocab] of each entry's last scheduled token."""
+        if not scheduled:
+            return torch.empty(0, self.hf_config.vocab_size, dtype=torch.float32, device=self.device)
+        batch = self._prepare(scheduled)
+        graph_size = self._graph_size(batch)
+        if graph_size is not None:
+            hidden = self._replay_graph(batch, graph_size)
+        else:
+            set_context(batch.context)
+            try:
+                hidden = self.model(batch.input_ids, batch.positions)
+            finally:
+                set_context(None)
+            hidden = hidden.index_select(0, batch.logits_indices)
+        return self.model.compute_logits(hidden).float()
+
+    # --- CUDA graphs ----------------------------------------------------------------------------------
+
+    def _graph_sizes(self) -> list[int]:
+        sizes, size = [], 1
+        while size < self.config.max_num_seqs:
+            sizes.append(size)
+            size *= 2
+        sizes.append(self.config.max_num_seqs)
+        return sizes
+
+    def _graph_size(self, batch: _StepBatch) -> int | None:
+        if not self._graphs or not batch.is_decode_only:
+            return None
+        if batch.context.block_tables.shape[1] > self.max_blocks_per_seq:
+            return None
+        for size in sorted(self._graphs):
+            if size >= batch.num_seqs:
+                return size
+        return None
+
+    @torch.inference_mode()
+    def _capture_cudagraphs(self) -> None:
+        """Capture decode steps (one token per sequence) for each ladder batch size, sharing one memory pool."""
+        max_bs = self.config.max_num_seqs
+        hidden_size = self.hf_config.hidden_size
+        device = self.device
+        self._static = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=device),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=device),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=device),
+            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=device),
+            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=device),
+            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=device),
+            "hidden": torch.zeros(max_bs, hidden_size, dtype=self.dtype, device=device),
+        }
+        s = self._static
+        pool = None
+        for size in reversed(self._graph_sizes()):
+            context = AttentionContext(
+                slot_mapping=s["slot_mapping"][:size],
+                cu_seqlens_q=s["cu_seqlens_q"][: size + 1],
+                seq_lens=s["seq_lens"][:size],
+                block_tables=s["block_tables"][:size],
+                max_seqlen_q=1,
+                max_seqlen_k=self.max_model_len,  # the launch config must hold for any decode length
+                backend="triton",
+            )
+            set_context(context)
+            try:
+                s["hidden"][:size] = self.model(s["input_ids"][:size], s["positions"][:size])  # warm-up
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    s["hidden"][:size] = self.model(s["input_ids"][:size], s["positions"][:size])
+            finally:
+                set_context(None)
+            pool = graph.pool() if pool is None else pool
+            self._graphs[size] = graph
+            torch.cuda.synchronize(device)
+
+    def _replay_graph(self, batch: _StepBatch, size: int) -> torch.Tensor:
+        s, n, ctx = self._static, batch.num_seqs, batch.context
+        s["input_ids"][:n] = batch.input_ids
+        s["positions"][:n] = batch.positions
+        s["slot_mapping"][:n] = ctx.slot_mapping
+        s["slot_mapping"][n:size] = -1  # padding rows write nothing
+        s["seq_lens"][:n] = ctx.seq_lens
+        s["seq_lens"][n:size] = 1  # padding rows attend to slot 0 of block 0: finite, discarded
+        width = ctx.block_tables.shape[1]
+        s["block_tables"][:n, :width] = ctx.block_tables
+        s["block_tables"][n:size] = 0
+        self._graphs[size].replay()
+        return s["hidden"][:n]
+
+
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
