@@ -12,8 +12,9 @@ TTFT is RequestOutput.metrics.first_token_time - arrival_time. Every request is 
 generate() call), so TTFT includes the time a request waits in the queue behind the others: it measures
 how soon the batch's first tokens appear, not a single request's latency on an idle engine.
 
-    .venv/bin/python bench/prefix_cache.py                                  # 256 requests (long with cache off)
-    .venv/bin/python bench/prefix_cache.py --num-requests 32 --max-tokens 4   # quick
+    .venv/bin/python bench/prefix_cache.py                     # 256 requests: the cache-off run prefills
+                                                               # ~265k tokens, about 30-40 min on 1 CPU thread
+    .venv/bin/python bench/prefix_cache.py --num-requests 32   # ~4-5 min on a busy 2-core box
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class RemoteBackend:
                completion_window: str | None) -> dict[str, Any]:
         """Upload the file and create a batch (server-side defaults for shard size and priority)."""
         return self._call(self.client.submit, path, model=model, metadata=metadata,
-                          completion_window=completion_window or "24h")
+                          completion_window=completion_window or "24h", idempotency_key=idempotency_key)
 
     def get(self, batch_id: str) -> dict[str, Any]:
         """The batch object from the server."""
@@ -164,7 +164,15 @@ class RemoteBackend:
         file_id = batch["output_file_id"] if kind == "output" else batch["error_file_id"]
         if file_id is None:
             return iter(())
-        return self._call(self.client.content, file_id)
+        return self._stream(file_id)
+
+    def _stream(self, file_id: str) -> Iterator[bytes]:
+        from batchinfer.cli.remote import RemoteError
+
+        try:
+            yield from self.client.content(file_id)
+        except RemoteError as exc:  # raised while iterating, so _call cannot see it
+            raise BackendError(str(exc)) from None
 
 
 def backend_for(settings: Settings) -> Backend:

@@ -61,8 +61,9 @@ def _print_batch(batch: dict[str, Any], as_json: bool) -> None:
         line += f", ETA {progress['eta_seconds']:.0f}s"
     click.echo(line)
     for error in ((batch.get("errors") or {}).get("data") or [])[:20]:
-        where = f"line {error['line']}: " if error.get("line") else ""
-        click.echo(f"  {where}{error['message']}")
+        message = error["message"] or ""
+        where = f"line {error['line']}: " if error.get("line") and not message.startswith("line ") else ""
+        click.echo(f"  {where}{message}")
 
 
 def _write_lines(lines: Iterator[bytes], path: Path | None) -> int:
