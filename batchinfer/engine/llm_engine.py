@@ -117,7 +117,12 @@ class Engine:
         model_path = resolve_model_path(config.model)
         hf_config = load_hf_config(model_path)
         self.max_model_len = _resolve_max_model_len(config, hf_config)  # fail before loading weights
-        self.model_runner = ModelRunner(config)
+        if config.tensor_parallel_size > 1:
+            from batchinfer.engine.tp_runner import TensorParallelRunner
+
+            self.model_runner: Any = TensorParallelRunner(config)
+        else:
+            self.model_runner = ModelRunner(config)
         self.tokenizer = load_tokenizer(model_path)
         self.vocab_size: int = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(model_path, hf_config, self.tokenizer)
@@ -139,6 +144,12 @@ class Engine:
         self._reported = (0, 0, 0)  # prefix queries, hits, preemptions already folded into the metrics
         self._ttfts: list[float] = []
         self._itls: list[float] = []
+
+    def close(self) -> None:
+        """Release what outlives a step: tensor-parallel worker processes (a no-op for one rank)."""
+        close = getattr(self.model_runner, "close", None)
+        if close is not None:
+            close()
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -503,6 +514,16 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The model's tokenizer."""
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); the LLM is unusable afterwards."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

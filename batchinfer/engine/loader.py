@@ -215,6 +215,8 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
     """
     from safetensors import safe_open
 
+    from batchinfer.engine.distributed import tp_world_size
+
     path = Path(path)
     params = dict(model.named_parameters())  # a tied head is not listed separately
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
@@ -226,6 +228,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
         else:
             expected.add((name, None))
     tied = bool(getattr(model, "tie_word_embeddings", False))
+    split = tp_world_size() > 1
     loaded: set[tuple[str, Any]] = set()
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as checkpoint:
@@ -244,13 +247,15 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
                         "the checkpoint does not match config.json"
                     )
                 loader = getattr(param, "weight_loader", None)
-                tensor = checkpoint.get_tensor(ckpt_name)
                 if loader is None:
-                    _default_weight_loader(param, tensor)
-                elif shard is None:
-                    loader(param, tensor)
+                    _default_weight_loader(param, checkpoint.get_tensor(ckpt_name))
                 else:
-                    loader(param, tensor, shard)
+                    # Under tensor parallelism the layer reads only its rank's part of a lazy slice.
+                    tensor = checkpoint.get_slice(ckpt_name) if split else checkpoint.get_tensor(ckpt_name)
+                    if shard is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard)
                 loaded.add((name, shard))
     missing = expected - loaded
     head = ("lm_head.weight", None)

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.distributed import all_reduce_min_int
+from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.attention import Attention, build_torch_plan
 from batchinfer.engine.layers.context import AttentionContext, set_context
 from batchinfer.engine.loader import load_hf_config, load_weights, resolve_model_path
@@ -94,6 +96,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        # Decode tokens on CPU/fp32 go to the native kernel (built here, once, rather than mid-step).
+        self.native_decode = (
+            self.attention_backend == "torch" and self.device.type == "cpu" and self.dtype == torch.float32
+            and cpu_attention.load() is not None
+        )
         model_cls = get_model_class(self.hf_config)
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = model_cls(self.hf_config, self.max_model_len)
@@ -113,6 +120,8 @@ class ModelRunner:
             self.num_kv_blocks = self._profile_num_kv_blocks()
         else:
             self.num_kv_blocks = config.kv_cache_memory_bytes // self.block_bytes
+        # Tensor parallelism: every rank's KV shard must have the same blocks (the smallest rank's count).
+        self.num_kv_blocks = all_reduce_min_int(self.num_kv_blocks, self.device)
         if self.num_kv_blocks < 1:
             raise ValueError(
                 f"the KV cache budget holds no block of {self.block_bytes} bytes; raise kv_cache_memory_bytes "
@@ -211,7 +220,7 @@ class ModelRunner:
         if self.attention_backend == "torch":
             plan = build_torch_plan(
                 q_lens=q_lens, seq_lens=seq_lens, block_tables=tables, slot_mapping=slot_mapping.to(device),
-                block_size=bs, dtype=self.dtype, device=device,
+                block_size=bs, dtype=self.dtype, device=device, native_decode=self.native_decode,
             )
         context = AttentionContext(
             slot_mapping=_to(slot_mapping, device),

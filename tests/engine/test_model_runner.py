@@ -104,6 +104,20 @@ def test_torch_plan_covers_each_query_once_with_bounded_padding() -> None:
         assert g.mask.shape == (g.num_seqs, 1, g.q_len, g.num_blocks * block_size)
 
 
+def test_native_decode_batch_takes_the_decode_tokens_of_a_mixed_step() -> None:
+    plan = build_torch_plan(q_lens=[3, 1, 1], seq_lens=[3, 9, 17], block_tables=[[4], [7, 2, 5], [1, 3, 6, 8, 9]],
+                            slot_mapping=torch.tensor([16, 17, 18, 20, 35]), block_size=4, dtype=torch.float32,
+                            device=torch.device("cpu"), native_decode=True)
+    native = plan.native_decode
+    assert native.token_index.tolist() == [3, 4] and native.seq_lens.tolist() == [9, 17]
+    assert native.block_tables.tolist() == [[7, 2, 5, 0, 0], [1, 3, 6, 8, 9]]
+    assert [g.out_index.tolist() for g in plan.groups] == [[0, 1, 2]]
+    decode_only = build_torch_plan(q_lens=[1, 1], seq_lens=[9, 17], block_tables=[[7, 2, 5], [1, 3, 6, 8, 9]],
+                                   slot_mapping=torch.tensor([20, 35]), block_size=4, dtype=torch.float32,
+                                   device=torch.device("cpu"), native_decode=True)
+    assert decode_only.native_decode.token_index is None and decode_only.groups == []
+
+
 def test_skipped_slots_are_not_written() -> None:
     plan = build_torch_plan(q_lens=[3], seq_lens=[3], block_tables=[[0]], slot_mapping=torch.tensor([0, -1, 2]),
                             block_size=4, dtype=torch.float32, device=torch.device("cpu"))

@@ -68,12 +68,23 @@ def random_tokens(vocab: int, n: int, seed: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2"])
+@pytest.fixture(
+    scope="module",
+    params=[("tiny_llama", "native"), ("tiny_llama", "sdpa"), ("tiny_qwen2", "native"), ("tiny_qwen2", "sdpa")],
+    ids="-".join,
+)
 def model_pair(request):
-    """(our runner, transformers model) for each tiny fixture model."""
-    path = request.getfixturevalue(request.param)
+    """(our runner, transformers model) for each tiny fixture model and CPU decode attention path."""
+    name, decode_path = request.param
+    path = request.getfixturevalue(name)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return make_runner(path), hf
+    runner = make_runner(path)
+    if decode_path == "native":
+        if not runner.native_decode:
+            pytest.skip("the native CPU decode kernel could not be built here (no g++/ninja?)")
+    else:
+        runner.native_decode = False  # decode tokens through the padded SDPA groups instead
+    return runner, hf
 
 
 def test_batched_full_prefill(model_pair) -> None:

@@ -6,6 +6,8 @@ Two backends, picked per step by the model runner (EngineConfig.attention_backen
 - "torch" (CPU, or forced): the cache is read by whole blocks into padded batches and handed to one
   scaled_dot_product_attention call per group of similar-length sequences. The gather indices and masks
   depend only on the batch layout, so `build_torch_plan` computes them once per step for all layers.
+  On CPU in float32, decode tokens (one query per sequence) instead go to the native kernel of
+  cpu_attention, which reads the blocks in place (no padded copy); prefill chunks keep SDPA.
 
 Cache layout (shared contract 4): k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim].
 """
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.context import get_context
 
 # A group of sequences is padded to its longest member; a sequence joins the current group while the
@@ -48,12 +51,22 @@ class AttentionGroup:
 
 
 @dataclass
+class NativeDecodeBatch:
+    """Decode tokens handed to the native CPU kernel in one call."""
+
+    token_index: torch.Tensor | None  # packed rows of the decode tokens (None = every token, in order)
+    block_tables: torch.Tensor  # [Sd, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [Sd] int32
+
+
+@dataclass
 class TorchAttentionPlan:
     """What the torch backend needs per step: where to store new K/V and the attention groups."""
 
     store_slots: torch.Tensor  # [T'] int64 cache slots of the tokens written
     store_rows: torch.Tensor | None  # packed rows written (None = all tokens, in order)
     groups: list[AttentionGroup]
+    native_decode: NativeDecodeBatch | None = None
 
 
 def _make_groups(items: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
@@ -86,8 +99,12 @@ def build_torch_plan(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    native_decode: bool = False,
 ) -> TorchAttentionPlan:
-    """Gather indices and masks of one step for the torch backend (computed once, used by every layer)."""
+    """Gather indices and masks of one step for the torch backend (computed once, used by every layer).
+
+    native_decode: send the q_len == 1 sequences to cpu_attention's kernel instead of SDPA groups.
+    """
     skip = slot_mapping < 0
     if bool(skip.any()):
         store_rows = torch.nonzero(~skip).flatten()
@@ -98,6 +115,12 @@ def build_torch_plan(
     for q_len in q_lens:
         starts.append(starts[-1] + q_len)
     items = [(s, q, -(-seq_lens[s] // block_size)) for s, q in enumerate(q_lens) if q > 0]
+    native = None
+    if native_decode:
+        decodes = [s for s, q, _ in items if q == 1]
+        items = [item for item in items if item[1] != 1]
+        if decodes:
+            native = _native_decode_batch(decodes, starts, seq_lens, block_tables, block_size, device)
     groups = []
     for members in _make_groups(items):
         n = len(members)
@@ -130,7 +153,27 @@ def build_torch_plan(
                 mask=mask.to(device),
             )
         )
-    return TorchAttentionPlan(store_slots=store_slots, store_rows=store_rows, groups=groups)
+    return TorchAttentionPlan(store_slots=store_slots, store_rows=store_rows, groups=groups, native_decode=native)
+
+
+def _native_decode_batch(
+    decodes: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> NativeDecodeBatch:
+    counts = [-(-seq_lens[s] // block_size) for s in decodes]
+    width = max(counts)
+    tables = [block_tables[s][:n] + [0] * (width - n) for s, n in zip(decodes, counts, strict=True)]
+    rows = [starts[s] for s in decodes]
+    in_order = rows == list(range(starts[-1]))  # the step is decode-only
+    return NativeDecodeBatch(
+        token_index=None if in_order else torch.tensor(rows, dtype=torch.long).to(device),
+        block_tables=torch.tensor(tables, dtype=torch.int32).to(device),
+        seq_lens=torch.tensor([seq_lens[s] for s in decodes], dtype=torch.int32).to(device),
+    )
 
 
 def torch_paged_attention(
@@ -152,6 +195,16 @@ def torch_paged_attention(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.store_slots, v)
     k_blocks, v_blocks = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
     out = torch.empty_like(q)
+    native = plan.native_decode
+    if native is not None:
+        if native.token_index is None:
+            cpu_attention.paged_decode_attention(out, q, k_cache, v_cache, native.block_tables, native.seq_lens, scale)
+        else:
+            queries = q.index_select(0, native.token_index)
+            o = cpu_attention.paged_decode_attention(
+                torch.empty_like(queries), queries, k_cache, v_cache, native.block_tables, native.seq_lens, scale
+            )
+            out.index_copy_(0, native.token_index, o)
     for g in plan.groups:
         n, length = g.num_seqs, g.num_blocks * block_size
         # [n, Hkv, L, D] views over rows gathered whole blocks at a time (contiguous copies of block_size rows).

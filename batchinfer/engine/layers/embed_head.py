@@ -1,35 +1,55 @@
-"""Token embedding and LM head under their vocab-parallel names (the vocab is split across TP ranks later)."""
+"""Token embedding and LM head, vocab-parallel: rank r holds the contiguous vocab rows
+[r * per_rank, (r + 1) * per_rank), per_rank = ceil(vocab / world size); the last shard is zero-padded.
+
+Embedding: each rank looks up the ids it owns, zeroes the others, and one all-reduce sums the rows.
+LM head: each rank computes the logits of its vocab shard; rank 0 gathers and concatenates them (the
+sampler runs there only), other ranks get an empty tensor.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchinfer.engine.layers.linear import tp_rank, tp_world_size
+from batchinfer.engine.distributed import all_reduce, gather_last_dim
+from batchinfer.engine.layers.linear import read_part, shape_of, tp_rank, tp_world_size
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table [vocab, hidden]; with TP each rank would hold a contiguous slice of the vocab."""
+    """Embedding table [vocab, hidden]; each rank holds a contiguous slice of the vocab."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
-        if tp_world_size() != 1:
-            raise NotImplementedError("vocab-parallel embedding across ranks is not implemented yet")
         self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
         self.tp_rank = tp_rank()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        self.tp_size = tp_world_size()
+        self.per_rank = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.per_rank
+        self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """Copy the checkpoint table (this rank's vocab slice) into param."""
-        if param.shape != loaded.shape:
-            raise ValueError(f"embedding has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
-        param.data.copy_(loaded)
+    def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
+        """Copy this rank's vocab rows of the checkpoint table (tensor or safetensors slice) into param."""
+        expected = (self.num_embeddings, self.embedding_dim)
+        if shape_of(loaded) != expected:
+            raise ValueError(f"embedding has shape {shape_of(loaded)}, the model expects {expected}")
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(read_part(loaded, 0, self.vocab_start, rows))
+        param.data[rows:].zero_()  # padding rows of the last shard: never looked up, logits dropped
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, hidden]."""
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(owned, input_ids - self.vocab_start, 0)
+        rows = F.embedding(local, self.weight).masked_fill_(~owned.unsqueeze(-1), 0)
+        return all_reduce(rows)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -43,5 +63,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] logits in the model dtype."""
-        return F.linear(hidden_states, self.weight)
+        """[N, hidden] -> [N, vocab] logits in the model dtype (on rank 0; other ranks: an empty tensor)."""
+        logits = F.linear(hidden_states, self.weight)
+        if self.tp_size == 1:
+            return logits
+        gathered = gather_last_dim(logits)
+        if gathered is None:
+            return logits.new_empty(0)
+        return gathered[:, : self.num_embeddings]

@@ -1,26 +1,40 @@
 """Linear layers under their tensor-parallel names (vLLM's): column-parallel splits the output features
 across ranks, row-parallel splits the input features and all-reduces the partial sums.
 
-Tensor parallelism itself comes later: today the world size is 1, so every layer holds the full matrix.
-The weight loaders already take the rank's slice, so TP only needs the process group and the all-reduce.
-Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that the model loader calls.
+Rank and world size come from batchinfer.engine.distributed (set before the model is built). Each
+parameter carries a `weight_loader(param, loaded, shard_id=None)` that the model loader calls; `loaded` is a
+tensor or a safetensors slice (get_slice), so a rank reads only its own rows/columns from disk.
+KV heads: with fewer KV heads than ranks each KV head is replicated on world_size / num_kv_heads ranks.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchinfer.engine.distributed import all_reduce, tp_rank, tp_world_size
 
-def tp_rank() -> int:
-    """This process's tensor-parallel rank (always 0 until tensor parallelism lands)."""
-    return 0
+__all__ = ["tp_rank", "tp_world_size"]
 
 
-def tp_world_size() -> int:
-    """Number of tensor-parallel ranks (always 1 until tensor parallelism lands)."""
-    return 1
+def shape_of(loaded: Any) -> tuple[int, ...]:
+    """Shape of a checkpoint tensor or safetensors slice."""
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def read_part(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
+    """Indices [start, start + length) along dim of a tensor or safetensors slice (reads only that part)."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, length)
+    return loaded[(slice(None),) * dim + (slice(start, start + length),)]
+
+
+def read_all(loaded: Any) -> torch.Tensor:
+    """The whole checkpoint tensor (a safetensors slice is read)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -46,24 +60,31 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
         """Copy this rank's slice of a checkpoint tensor into param."""
         if self.tp_dim is not None and self.tp_size > 1 and param.dim() > self.tp_dim:
             shard = param.size(self.tp_dim)
-            loaded = loaded.narrow(self.tp_dim, self.tp_rank * shard, shard)
-        _checked_copy(param.data, loaded)
+            expected = list(param.shape)
+            expected[self.tp_dim] *= self.tp_size
+            if shape_of(loaded) != tuple(expected):
+                raise ValueError(
+                    f"checkpoint tensor has shape {shape_of(loaded)}, the model expects {tuple(expected)}"
+                )
+            _checked_copy(param.data, read_part(loaded, self.tp_dim, self.tp_rank * shard, shard))
+        else:
+            _checked_copy(param.data, read_all(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the (local slice of the) linear map."""
         return F.linear(x, self.weight, self.bias)
 
 
-def _take_rows(loaded: torch.Tensor, rank: int, tp_size: int, size: int, dst: torch.Tensor) -> torch.Tensor:
-    """This rank's `size` rows of a checkpoint projection that should hold size * tp_size rows."""
-    expected = (size * tp_size, *dst.shape[1:])
-    if tuple(loaded.shape) != expected:
-        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {expected}")
-    return loaded.narrow(0, rank * size, size)
+def _take_rows(loaded: Any, shard_index: int, num_shards: int, size: int, dst: torch.Tensor) -> torch.Tensor:
+    """Shard shard_index (`size` rows) of a checkpoint projection that should hold size * num_shards rows."""
+    expected = (size * num_shards, *dst.shape[1:])
+    if shape_of(loaded) != expected:
+        raise ValueError(f"checkpoint tensor has shape {shape_of(loaded)}, the model expects {expected}")
+    return read_part(loaded, 0, shard_index * size, size)
 
 
 def _checked_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -93,9 +114,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int | None = None) -> None:
         """Load checkpoint projection number shard_id into its rows of the fused matrix."""
         if shard_id is None:
+            if self.tp_size > 1:
+                raise ValueError("a fused gate/up checkpoint tensor cannot be split across tensor-parallel ranks")
             return super().weight_loader(param, loaded)
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -103,8 +126,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _checked_copy(dst, _take_rows(loaded, self.tp_rank, self.tp_size, size, dst))
 
 
+def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads held per rank: an even split, or 1 (replicated) when there are fewer KV heads than ranks."""
+    if num_kv_heads >= tp_size:
+        return _divide(num_kv_heads, tp_size)
+    if tp_size % num_kv_heads:
+        raise ValueError(
+            f"the tensor-parallel size {tp_size} is neither a divisor nor a multiple of num_key_value_heads="
+            f"{num_kv_heads}"
+        )
+    return 1
+
+
 class QKVParallelLinear(ColumnParallelLinear):
-    """Query, key and value projections fused in one matmul; KV heads split across ranks like Q heads."""
+    """Query, key and value projections fused in one matmul; Q heads split across ranks, KV heads split
+    too or, when there are fewer KV heads than ranks, replicated (rank r holds KV head r * Hkv // tp)."""
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
@@ -112,27 +148,35 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp = tp_world_size()
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp)
-        self.num_kv_heads = _divide(num_kv_heads, tp)
-        output_size = (num_heads + 2 * num_kv_heads) * head_dim
+        self.num_kv_heads = local_kv_heads(num_kv_heads, tp)
+        self.total_num_kv_heads = num_kv_heads
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp  # the parent divides by tp
         super().__init__(hidden_size, output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str | None = None) -> None:
         """Load checkpoint projection shard_id ('q', 'k' or 'v') into its rows of the fused matrix."""
         if shard_id is None:
+            if self.tp_size > 1:
+                raise ValueError("a fused qkv checkpoint tensor cannot be split across tensor-parallel ranks")
             return super().weight_loader(param, loaded)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         dst = param.data.narrow(0, offset, size)
-        _checked_copy(dst, _take_rows(loaded, self.tp_rank, self.tp_size, size, dst))
+        if shard_id == "q":
+            part = _take_rows(loaded, self.tp_rank, self.tp_size, size, dst)
+        else:
+            num_shards = self.total_num_kv_heads // self.num_kv_heads
+            part = _take_rows(loaded, self.tp_rank * num_shards // self.tp_size, num_shards, size, dst)
+        _checked_copy(dst, part)
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs are summed (all-reduce once TP lands)."""
+    """Input features split across ranks; the partial outputs are summed by one all-reduce."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(_divide(input_size, tp_world_size()), output_size, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T on this rank's slice; the bias is added once (by rank 0) so the sum stays right."""
-        return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return all_reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None))

@@ -20,7 +20,6 @@ from batchinfer.engine.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    tp_world_size,
 )
 from batchinfer.engine.layers.norm import RMSNorm
 from batchinfer.engine.layers.rotary import apply_rotary, get_rope
@@ -54,16 +53,16 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        tp = tp_world_size()
         self.head_dim = _head_dim(config)
-        self.num_heads = config.num_attention_heads // tp
-        self.num_kv_heads = config.num_key_value_heads // tp
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias, o_bias = _attention_biases(config)
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, qkv_bias
         )
+        # This rank's heads (tensor parallelism splits Q heads, and splits or replicates KV heads).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 

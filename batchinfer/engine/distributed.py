@@ -1,0 +1,244 @@
+"""Tensor-parallel plumbing: who am I (rank, world size), the collectives the layers call, and the
+shared-memory channel that carries each step's batch layout from the engine process to the workers.
+
+Rank 0 is the engine process (scheduler, block manager, sampler); ranks 1..N-1 are worker processes that
+only run the model. Every rank holds a slice of every weight and of the KV cache, so every rank runs
+every step: rank 0 writes the step's flat int32 arrays into a SharedMemory buffer and sets one Event per
+worker (nano-vllm's ModelRunner design, minus the pickle). A worker has read the buffer before it joins
+the step's first collective, and rank 0 writes the next step only after the last collective of this one,
+so one buffer suffices.
+
+Collective timing (seconds on this rank, including waits for slower peers) is accumulated in COMM_STATS
+for bench/tp_comm.py; two perf_counter calls per collective cost nothing next to the collective.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# Step channel commands (header word 0).
+CMD_STEP = 1
+CMD_EXIT = 2
+_HEADER = 4  # cmd, num_seqs, num_tokens, num_block_ids
+# A collective that waits longer than this means a peer died mid-step: fail instead of hanging forever.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass
+class _TPState:
+    rank: int = 0
+    world_size: int = 1
+
+
+_STATE = _TPState()
+
+
+@dataclass
+class CommStats:
+    """Seconds this rank spent in collectives and in step broadcasts, and how many of each."""
+
+    all_reduce_s: float = 0.0
+    all_reduce_calls: int = 0
+    gather_s: float = 0.0
+    gather_calls: int = 0
+    broadcast_s: float = 0.0
+    broadcast_calls: int = 0
+
+    def reset(self) -> None:
+        """Zero every figure."""
+        self.__init__()  # type: ignore[misc]
+
+
+COMM_STATS = CommStats()
+
+
+def tp_rank() -> int:
+    """This process's tensor-parallel rank (0 = the engine process)."""
+    return _STATE.rank
+
+
+def tp_world_size() -> int:
+    """Number of tensor-parallel ranks (1 = no tensor parallelism)."""
+    return _STATE.world_size
+
+
+def init_tensor_parallel(rank: int, world_size: int, *, backend: str, init_method: str) -> None:
+    """Join the process group (blocks until every rank has joined) and record rank / world size."""
+    if _STATE.world_size != 1:
+        raise RuntimeError(
+            "a tensor-parallel engine is already running in this process; close() it before starting another"
+        )
+    if world_size > 1:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+        )
+    _STATE.rank, _STATE.world_size = rank, world_size
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the process group; this process is a single rank again."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE.rank, _STATE.world_size = 0, 1
+
+
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum tensor over all ranks, in place (no-op without tensor parallelism)."""
+    if _STATE.world_size == 1:
+        return tensor
+    start = time.perf_counter()
+    dist.all_reduce(tensor)
+    COMM_STATS.all_reduce_s += time.perf_counter() - start
+    COMM_STATS.all_reduce_calls += 1
+    return tensor
+
+
+def gather_last_dim(tensor: torch.Tensor) -> torch.Tensor | None:
+    """Concatenate every rank's tensor along the last dim on rank 0; other ranks get None."""
+    if _STATE.world_size == 1:
+        return tensor
+    start = time.perf_counter()
+    tensor = tensor.contiguous()
+    if _STATE.rank == 0:
+        parts = [torch.empty_like(tensor) for _ in range(_STATE.world_size)]
+        dist.gather(tensor, parts, dst=0)
+        result: torch.Tensor | None = torch.cat(parts, dim=-1)
+    else:
+        dist.gather(tensor, None, dst=0)
+        result = None
+    COMM_STATS.gather_s += time.perf_counter() - start
+    COMM_STATS.gather_calls += 1
+    return result
+
+
+def all_reduce_min_int(value: int, device: torch.device) -> int:
+    """The minimum of value over all ranks (every rank gets it)."""
+    if _STATE.world_size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+class StepChannel:
+    """Rank 0 -> workers: one step's batch layout as flat int32 arrays in shared memory, plus an Event each.
+
+    Layout (int32): [cmd, S, T, B] then per sequence (num_computed_tokens, num_new, num_blocks) [3S],
+    the new token ids [T], and the sequences' block tables concatenated [B].
+    """
+
+    def __init__(self, capacity_words: int, events: list[Any], name: str | None = None) -> None:
+        size = (_HEADER + capacity_words) * 4
+        self.owner = name is None
+        self.shm = shared_memory.SharedMemory(name=name, create=self.owner, size=size if self.owner else 0)
+        self.words = np.ndarray((self.shm.size // 4,), dtype=np.int32, buffer=self.shm.buf)
+        self.events = events
+
+    @property
+    def name(self) -> str:
+        """The shared-memory segment's name (workers attach by it)."""
+        return self.shm.name
+
+    def send_step(self, scheduled: list[tuple[Any, int]]) -> None:
+        """Rank 0: publish a step (list of (seq, num_new)) to every worker."""
+        start = time.perf_counter()
+        meta: list[int] = []
+        tokens: list[int] = []
+        blocks: list[int] = []
+        for seq, num_new in scheduled:
+            begin = seq.num_computed_tokens
+            if num_new < 1 or begin + num_new > len(seq.token_ids):
+                # Fail here, before the workers enter the forward and wait on a collective rank 0 never joins.
+                raise ValueError(
+                    f"scheduled {num_new} tokens from position {begin} of a sequence with "
+                    f"{len(seq.token_ids)} tokens: need 1 <= n <= len(token_ids) - num_computed_tokens"
+                )
+            meta += (begin, num_new, len(seq.block_table))
+            tokens += seq.token_ids[begin : begin + num_new]
+            blocks += seq.block_table
+        total = _HEADER + len(meta) + len(tokens) + len(blocks)
+        if total > len(self.words):
+            raise ValueError(f"step layout needs {total} words; the step channel holds {len(self.words)}")
+        w = self.words
+        w[:_HEADER] = (CMD_STEP, len(scheduled), len(tokens), len(blocks))
+        offset = _HEADER
+        for part in (meta, tokens, blocks):
+            w[offset : offset + len(part)] = part
+            offset += len(part)
+        for event in self.events:
+            event.set()
+        COMM_STATS.broadcast_s += time.perf_counter() - start
+        COMM_STATS.broadcast_calls += 1
+
+    def send_exit(self) -> None:
+        """Rank 0: tell every worker to leave its loop."""
+        self.words[0] = CMD_EXIT
+        for event in self.events:
+            event.set()
+
+    def receive(self, event: Any) -> list[tuple[Any, int]] | None:
+        """Worker: wait for the next step; its (stand-in sequence, num_new) list, or None on exit."""
+        event.wait()
+        event.clear()
+        w = self.words
+        cmd, num_seqs, num_tokens, num_blocks = (int(x) for x in w[:_HEADER])
+        if cmd == CMD_EXIT:
+            return None
+        offset = _HEADER
+        meta = w[offset : offset + 3 * num_seqs].tolist()
+        offset += 3 * num_seqs
+        tokens = w[offset : offset + num_tokens].tolist()
+        offset += num_tokens
+        blocks = w[offset : offset + num_blocks].tolist()
+        scheduled = []
+        token_at = block_at = 0
+        for i in range(num_seqs):
+            begin, num_new, nb = meta[3 * i : 3 * i + 3]
+            seq = StepSequence(
+                _TokenWindow(begin, tokens[token_at : token_at + num_new]), begin, blocks[block_at : block_at + nb]
+            )
+            scheduled.append((seq, num_new))
+            token_at += num_new
+            block_at += nb
+        return scheduled
+
+    def close(self) -> None:
+        """Detach (and, on rank 0, remove) the shared-memory segment."""
+        del self.words
+        self.shm.close()
+        if self.owner:
+            self.shm.unlink()
+
+
+class _TokenWindow:
+    """Stands in for seq.token_ids on a worker: it knows only the tokens of this step, at their positions."""
+
+    __slots__ = ("begin", "new")
+
+    def __init__(self, begin: int, new: list[int]) -> None:
+        self.begin, self.new = begin, new
+
+    def __len__(self) -> int:
+        return self.begin + len(self.new)
+
+    def __getitem__(self, index: slice) -> list[int]:
+        if not isinstance(index, slice) or index.start != self.begin or index.stop != len(self):
+            raise IndexError("a worker's token window holds only this step's new tokens")
+        return self.new
+
+
+@dataclass
+class StepSequence:
+    """The Sequence fields the model runner reads (shared contract 2), rebuilt on a worker."""
+
+    token_ids: Any
+    num_computed_tokens: int
+    block_table: list[int]

@@ -1,0 +1,150 @@
+"""Native CPU decode attention over the paged KV cache: a small C++ extension, built on first use.
+
+Why: on CPU, decode attention is memory-bound. The pure-torch path gathers each sequence's blocks into a
+padded batch (read + write) and SDPA reads that copy again; this kernel reads every cached K/V row once,
+straight from the blocks, so it moves about a third of the bytes (measured ~3.5x faster per layer at 128
+sequences of ~170 tokens on 2 cores). It handles decode tokens (one query per sequence, the bulk of the
+steps); prefill chunks keep the SDPA path, whose GEMMs suit many queries per sequence.
+
+Built with torch.utils.cpp_extension (g++, ninja) into torch's extension dir, once per machine and source
+(-march=native, so the name carries the CPU's flags). If the build fails, or BATCHINFER_CPU_ATTENTION=sdpa
+is set, `load()` returns None and the torch path is used: same results, slower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+// out/q [S, H, D] (one query per sequence, at position seq_lens[s] - 1); k_cache/v_cache [NB, BS, Hkv, D];
+// block_tables [S, MB] int32; seq_lens [S] int32. Query head h reads kv head h / (H / Hkv).
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "float32 tensors only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous() &&
+              seq_lens.is_contiguous(), "contiguous caches and tables");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out need a contiguous last dim");
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = H / Hkv, MB = block_tables.size(1);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t q_s = q.stride(0), q_h = q.stride(1), o_s = out.stride(0), o_h = out.stride(1);
+  const int64_t row = Hkv * D, block_stride = BS * Hkv * D;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(G * D), inv_sum(G);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / Hkv, hk = item % Hkv, L = lens[s];
+      scores.resize(G * L);
+      const float* qrow = qp + s * q_s + hk * G * q_h;
+      for (int64_t t = 0; t < L; ++t) {
+        const float* krow = kp + bt[s * MB + t / BS] * block_stride + (t % BS) * row + hk * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qrow + g * q_h;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * krow[d];
+          scores[g * L + t] = dot * fscale;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {  // softmax, normalized at the end
+        float* sg = scores.data() + g * L;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) {
+          sg[t] = std::exp(sg[t] - m);
+          sum += sg[t];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const float* vrow = vp + bt[s * MB + t / BS] * block_stride + (t % BS) * row + hk * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * L + t];
+          float* a = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vrow[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = op + s * o_s + (hk * G + g) * o_h;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv_sum[g];
+      }
+    }
+  });
+}
+"""
+
+_extension: Any = None
+_attempted = False
+
+
+def _cpu_tag() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            flags = next((line for line in handle if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(f"{platform.machine()}{flags}{_SOURCE}".encode()).hexdigest()[:12]
+
+
+def load() -> Any:
+    """The compiled extension (built on the first call), or None when it is disabled or cannot be built."""
+    global _extension, _attempted
+    if _attempted:
+        return _extension
+    _attempted = True
+    if os.environ.get("BATCHINFER_CPU_ATTENTION", "native") == "sdpa":
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        _extension = load_inline(
+            name=f"batchinfer_cpu_attention_{_cpu_tag()}",
+            cpp_sources=_SOURCE,
+            functions=["paged_decode_attention"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as exc:  # no compiler / ninja: the SDPA path is correct, only slower
+        logger.warning("native CPU decode attention unavailable (%s); using the SDPA path", exc)
+        _extension = None
+    return _extension
+
+
+def paged_decode_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """out[s] = attention of q[s] (at position seq_lens[s] - 1) over its first seq_lens[s] cached keys."""
+    _extension.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return out

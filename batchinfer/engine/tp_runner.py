@@ -1,0 +1,203 @@
+"""TensorParallelRunner: the model runner the Engine uses when tensor_parallel_size > 1.
+
+This process is rank 0: it keeps the scheduler, block manager and sampler (the Engine, unchanged) and a
+ModelRunner over its slice of the weights and KV cache. It spawns ranks 1..N-1 as worker processes (spawn
+context: never fork a process that may have initialized CUDA), each running `_worker_main`: a ModelRunner
+over its own slices and a loop that waits for the next step on the StepChannel and runs it. Every step, rank
+0 publishes the step layout, then runs its own forward; the ranks meet in the collectives of the layers
+(one all-reduce per o_proj / down_proj and the embedding, one gather of the vocab shards of the logits).
+
+Startup order: rank 0 validates the size, starts the workers, joins the process group (which waits for
+every worker to join), then builds its ModelRunner; ModelRunner's KV sizing takes the minimum block
+count over the ranks (a collective), so every rank's KV shard holds the same block ids.
+
+Shutdown: close() (Engine.close / LLM.close, and atexit) sends an exit command, joins the workers (then
+terminates stragglers) and removes the shared memory. Workers are daemonic, so they never outlive rank 0.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import math
+import multiprocessing as mp
+import os
+import socket
+from typing import Any
+
+import torch
+
+from batchinfer.engine import distributed
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.loader import load_hf_config, resolve_model_path
+from batchinfer.engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 30.0
+
+
+def check_tensor_parallel_size(tp_size: int, hf_config: Any, device: str) -> None:
+    """Raise ValueError naming tensor_parallel_size when the model or the machine cannot be split tp_size ways."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    intermediate = hf_config.intermediate_size
+
+    def fits(n: int) -> bool:
+        return heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0) and intermediate % n == 0
+
+    if not fits(tp_size):
+        valid = [n for n in range(1, heads + 1) if fits(n)]
+        raise ValueError(
+            f"tensor_parallel_size: {tp_size} cannot split the model ({heads} attention heads, {kv_heads} KV "
+            f"heads, intermediate size {intermediate}); it must divide the attention heads and the "
+            f"intermediate size, and divide or be a multiple of the KV heads: use one of {valid}"
+        )
+    if device.startswith("cuda"):
+        first = int(device.split(":")[1]) if ":" in device else 0
+        count = torch.cuda.device_count()
+        if first + tp_size > count:
+            raise ValueError(
+                f"tensor_parallel_size: {tp_size} needs CUDA devices cuda:{first}..cuda:{first + tp_size - 1}, "
+                f"but {count} are visible; lower tensor_parallel_size or set device"
+            )
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of a rank: CPU for all, or consecutive CUDA devices from the configured one."""
+    if not device.startswith("cuda"):
+        return device
+    first = int(device.split(":")[1]) if ":" in device else 0
+    return f"cuda:{first + rank}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _step_capacity_words(config: EngineConfig, max_model_len: int) -> int:
+    """Upper bound of one step's layout: 3 words per sequence, its new tokens, and its block table."""
+    max_blocks = math.ceil(max_model_len / config.block_size)
+    return 3 * config.max_num_seqs + config.max_num_batched_tokens + config.max_num_seqs * max_blocks
+
+
+def _threads_per_rank(tp_size: int) -> int:
+    """CPU threads per rank: this process's torch threads, but never more than the cores split tp ways."""
+    return max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // tp_size))
+
+
+class TensorParallelRunner:
+    """Drop-in for ModelRunner (same attributes and execute_model) that runs the model on N ranks."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.closed = False
+        self.runner: ModelRunner | None = None
+        self.workers: list[Any] = []
+        self.channel: distributed.StepChannel | None = None
+        self._joined = False
+        tp_size = config.tensor_parallel_size
+        device = config.resolved_device()
+        hf_config = load_hf_config(resolve_model_path(config.model))
+        check_tensor_parallel_size(tp_size, hf_config, device)
+        max_model_len = config.max_model_len or hf_config.max_position_embeddings
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._threads_before = torch.get_num_threads()
+        threads = _threads_per_rank(tp_size)
+        ctx = mp.get_context("spawn")
+        events = [ctx.Event() for _ in range(tp_size - 1)]
+        atexit.register(self.close)
+        try:
+            self.channel = distributed.StepChannel(_step_capacity_words(config, max_model_len), events)
+            for rank in range(1, tp_size):
+                rank_config = dataclasses.replace(config, device=rank_device(device, rank))
+                process = ctx.Process(
+                    target=_worker_main,
+                    args=(rank_config, rank, tp_size, backend, init_method, self.channel.name, events[rank - 1],
+                          threads),
+                    name=f"batchinfer-tp-rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                self.workers.append(process)
+            if backend == "gloo":
+                torch.set_num_threads(threads)
+            distributed.init_tensor_parallel(0, tp_size, backend=backend, init_method=init_method)
+            self._joined = True
+            self.runner = ModelRunner(dataclasses.replace(config, device=rank_device(device, 0)))
+        except BaseException:
+            self.close()
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything else (num_kv_blocks, device, dtype, hf_config, ...) is rank 0's ModelRunner's.
+        runner = self.__dict__.get("runner")
+        if runner is None:
+            raise AttributeError(name)
+        return getattr(runner, name)
+
+    def execute_model(self, scheduled: list[tuple[Any, int]]) -> torch.Tensor:
+        """Publish the step to the workers, run rank 0's share; float32 logits as ModelRunner's."""
+        if self.closed or self.runner is None:
+            raise RuntimeError("the tensor-parallel runner is closed")
+        if scheduled:
+            dead = [p.name for p in self.workers if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} died; see their log above")
+            self.channel.send_step(scheduled)
+        return self.runner.execute_model(scheduled)
+
+    def close(self) -> None:
+        """Stop the workers, leave the process group, free the shared memory (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.close)
+        if self.channel is not None:
+            self.channel.send_exit()
+        for process in self.workers:
+            process.join(JOIN_TIMEOUT_S)
+            if process.is_alive():
+                logger.warning("tensor-parallel worker %s did not exit; terminating it", process.name)
+                process.terminate()
+                process.join(5)
+        if self.channel is not None:
+            self.channel.close()
+        if self._joined:
+            distributed.destroy_tensor_parallel()
+        torch.set_num_threads(self._threads_before)
+        self.runner = None
+
+
+def _worker_main(
+    config: EngineConfig,
+    rank: int,
+    world_size: int,
+    backend: str,
+    init_method: str,
+    shm_name: str,
+    event: Any,
+    threads: int,
+) -> None:
+    """A worker rank: join the group, build this rank's ModelRunner, run steps until told to exit."""
+    logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
+    if backend == "gloo":
+        torch.set_num_threads(threads)
+    else:
+        torch.cuda.set_device(torch.device(config.resolved_device()))
+    distributed.init_tensor_parallel(rank, world_size, backend=backend, init_method=init_method)
+    channel = distributed.StepChannel(0, [], name=shm_name)
+    try:
+        runner = ModelRunner(config)
+        while (scheduled := channel.receive(event)) is not None:
+            try:
+                runner.execute_model(scheduled)
+            except ValueError:
+                # A malformed step fails the same check on rank 0 before any collective: skip it, stay in step.
+                logger.exception("step rejected")
+    finally:
+        channel.close()
+        distributed.destroy_tensor_parallel()
