@@ -2,41 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
 
 from batchinfer.engine import LLM, SamplingParams
 from tests.fixtures.tiny_models import training_sentences
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """One thread: on a shared 2-core machine more threads only contend (measured 3-15x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def make_llm():
-    """Build LLMs on CPU/fp32; afterwards assert every request finished and no KV block leaked."""
-    made: list[LLM] = []
-
-    def make(path: Path, **kwargs) -> LLM:
-        llm = LLM(str(path), device="cpu", dtype="float32", **kwargs)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        assert not llm.engine.has_unfinished()
-        llm.engine.block_manager.check_invariants([])
-        assert llm.engine.block_manager.num_used_blocks == 0
 
 
 def check_every_step(llm: LLM) -> None:

@@ -20,15 +20,6 @@ from tests.fixtures.tiny_models import training_sentences
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """One thread per rank: on a shared 2-core machine more threads only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def shared_prefix_prompts(count: int = 14) -> list[str]:
     """Prompts of a few to ~60 tokens; half of them extend one long common prefix (prefix-cache hits)."""
     rng = random.Random(3)
