@@ -5,7 +5,7 @@
 
 For each database, in its own subprocess (so peak RSS is that database's alone), it measures:
 ingest lines/s (submit_job: parse + validate + insert + shard), peak RSS, the latency of a status
-poll (get_job + job_summary on a fresh session) at that size, result writes/s through the fenced
+poll (get_job + batch_object on a fresh session) at that size, result writes/s through the fenced
 worker path (claim, pending_requests, write_results, complete_shard on a few shards), and export
 lines/s (after marking every request succeeded with one bulk UPDATE, export_results of the output
 file). Targets from issue 6: >= 100,000 lines/s, peak RSS < 300 MB, status poll < 10 ms.
@@ -81,6 +81,7 @@ def run_one(url: str, path: Path, lines: int) -> dict:
     from batchinfer.store import jobs, shards
     from batchinfer.store.db import session_factory, upgrade
     from batchinfer.store.models import Request, RequestStatus
+    from batchinfer.store.serialize import batch_object
 
     upgrade(url)
     make_session = session_factory(url)
@@ -89,7 +90,7 @@ def run_one(url: str, path: Path, lines: int) -> dict:
         start, cpu = time.perf_counter(), time.process_time()
         job = jobs.submit_job(session, model="bench", path=path, shard_size=256)
         ingest_s, ingest_cpu_s = time.perf_counter() - start, time.process_time() - cpu
-        assert job.status == "in_progress", jobs.job_summary(job)
+        assert job.status == "in_progress", batch_object(job)
         assert job.total_requests == lines, (job.total_requests, lines)
     ingest_rss = peak_rss_mb()
 
@@ -97,7 +98,7 @@ def run_one(url: str, path: Path, lines: int) -> dict:
     for _ in range(200):
         start = time.perf_counter()
         with make_session() as session:
-            summary = jobs.job_summary(jobs.get_job(session, job_id=job.id))
+            summary = batch_object(jobs.get_job(session, job_id=job.id))
         polls.append(time.perf_counter() - start)
     assert summary["request_counts"]["total"] == lines
 

@@ -408,35 +408,3 @@ def export_results(session: Session, *, job_id: int, kind: ExportKind = "output"
                 yield dumps(error_line(request_key=request_id, custom_id=custom_id, code=code, message=message),
                             option=newline)
 
-
-def job_summary(job: Job) -> dict[str, Any]:
-    """The job as an OpenAI batch object (times as unix seconds; errors as {object: list, data})."""
-
-    def ts(value: datetime | None) -> int | None:
-        return int(value.timestamp()) if value is not None else None
-
-    errors = {"object": "list", "data": job.errors} if job.errors else None
-    return {
-        "id": job.batch_id,
-        "object": "batch",
-        "endpoint": job.endpoint,  # None: lines may use either endpoint
-        "model": job.model,
-        "errors": errors,
-        "input_file_id": f"file-{job.input_file_id}" if job.input_file_id is not None else None,
-        "completion_window": job.completion_window,
-        "status": job.status,
-        "created_at": ts(job.created_at),
-        "in_progress_at": ts(job.in_progress_at),
-        "expires_at": ts(job.expires_at),
-        "finalizing_at": ts(job.finalizing_at),
-        "completed_at": ts(job.completed_at),
-        "failed_at": ts(job.failed_at),
-        "expired_at": ts(job.expired_at),
-        "cancelling_at": ts(job.cancelling_at),
-        "cancelled_at": ts(job.cancelled_at),
-        "request_counts": job.request_counts,
-        "usage": job.usage,
-        "metadata": job.meta,
-        "num_shards": job.num_shards,
-        "priority": job.priority,
-    }

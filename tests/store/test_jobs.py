@@ -12,6 +12,7 @@ from sqlalchemy import select
 from batchinfer.formats import BatchOutputLine
 from batchinfer.store import jobs, shards
 from batchinfer.store.models import JobStatus, Request, RequestStatus, Shard, ShardStatus, utcnow
+from batchinfer.store.serialize import batch_object
 from tests.store.helpers import chat_line, fake_results, jsonl
 
 SYSTEMS = ["You are a pirate. Answer every question in pirate speak, with at least one 'arr'. " * 2,
@@ -73,7 +74,7 @@ def test_round_trip_exports_every_custom_id_once_in_input_order(session):
     assert job.request_counts == {"total": 60, "completed": 60, "failed": 0}
     assert job.usage == {"prompt_tokens": prompt, "completion_tokens": 180, "total_tokens": prompt + 180,
                          "prompt_tokens_details": {"cached_tokens": sum((10 + n % 7) // 2 for n in range(1, 61))}}
-    summary = jobs.job_summary(job)
+    summary = batch_object(job)
     assert summary["id"] == f"batch_{job.id}" and summary["status"] == "completed"
     assert summary["request_counts"]["completed"] == 60
 
