@@ -277,3 +277,24 @@ def test_smollm2_alias_loads_and_matches_transformers(smollm2: Path) -> None:
     while seq.num_computed_tokens < len(tokens):
         logits = run_step(runner, pool, [(seq, 1)])
         torch.testing.assert_close(logits[0], ref[seq.num_computed_tokens - 1], atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_vectorized_decode_head_dims(tmp_path: Path, head_dim: int) -> None:
+    """head_dim 64/128 take the AVX2 branch of the native CPU decode kernel (the tiny fixtures use 16)."""
+    # A wider model than TINY: a smaller init keeps activations (and fp32 rounding) at the fixtures' scale.
+    wide = {**TINY, "hidden_size": 2 * head_dim, "num_attention_heads": 2, "initializer_range": 0.1}
+    config = LlamaConfig(**wide, head_dim=head_dim)
+    path = _save_tiny(config, tmp_path / "model")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = make_runner(path)
+    pool = ScatteredBlocks(runner.num_kv_blocks, 4, seed=9)
+    full = [random_tokens(97, n + 5, seed=30 + n) for n in (2, 11, 26)]
+    seqs = [FakeSeq(t) for t in full]
+    run_step(runner, pool, [(s, len(s.token_ids) - 5) for s in seqs])
+    refs = [hf_logits(hf, t) for t in full]
+    assert runner.native_decode or pytest.skip("native CPU decode kernel not built here")
+    for _ in range(5):
+        logits = run_step(runner, pool, [(s, 1) for s in seqs])
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(logits[i], refs[i][s.num_computed_tokens - 1], atol=ATOL, rtol=0)
