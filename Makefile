@@ -7,6 +7,8 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.batchinfer-installed
 DEMO_OUT ?= results/demo-results.jsonl
+# The venv's tools (ninja for the CPU attention kernel build) come first on PATH.
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 .PHONY: setup demo test lint bench-engine clean
 
