@@ -104,23 +104,14 @@ def _race(settings: Settings, now: datetime, threads: int = 4) -> None:
     assert not errors, errors
 
 
-def test_racing_ticks_make_one_job_sqlite(sqlite_url: str, tmp_path: Path) -> None:
-    settings = _settings(sqlite_url, tmp_path)
+@pytest.mark.parametrize("database", ["sqlite_url", pytest.param("pg_url", marks=pytest.mark.postgres)])
+def test_racing_ticks_make_one_job(database: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    url = request.getfixturevalue(database)
+    settings = _settings(url, tmp_path)
     _add(settings, tmp_path)
     _inputs(tmp_path, "2026-11-01")
     _race(settings, T0 + timedelta(hours=1, seconds=5))
-    with session_factory(sqlite_url)() as session:
-        assert session.scalar(select(func.count()).select_from(Job)) == 1
-        assert session.scalar(select(func.count()).select_from(ScheduleRun)) == 1
-
-
-@pytest.mark.postgres
-def test_racing_ticks_make_one_job_postgres(pg_url: str, tmp_path: Path) -> None:
-    settings = _settings(pg_url, tmp_path)
-    _add(settings, tmp_path)
-    _inputs(tmp_path, "2026-11-01")
-    _race(settings, T0 + timedelta(hours=1, seconds=5))
-    with session_factory(pg_url)() as session:
+    with session_factory(url)() as session:
         assert session.scalar(select(func.count()).select_from(Job)) == 1
         assert session.scalar(select(func.count()).select_from(ScheduleRun)) == 1
 
