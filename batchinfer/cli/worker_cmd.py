@@ -61,7 +61,9 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
 
             with session_factory(settings.effective_database_url)() as session:
                 announce(app, [s for s in (session.get(Shard, i) for i in report.requeued) if s is not None])
-        # The solo pool runs tasks in this process: the engine is loaded once, after any fork, and kept.
+        # The solo pool runs tasks in this process (no fork): load the engine now, so "ready" means ready
+        # and the first shard does not wait for the model.
+        local.process_worker()
         app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_name(model),
                          "-n", f"batchinfer-{Path(model).name}-{os.getpid()}@%h", f"--loglevel={log_level.upper()}",
                          "--without-gossip", "--without-mingle"])

@@ -139,7 +139,7 @@ def test_two_workers_split_a_job_without_overlap_or_gap(cluster: Cluster) -> Non
     cluster.start_worker("w0")
     cluster.start_worker("w1")
     _wait_workers_ready(cluster, 2)
-    job_id, ids = cluster.submit(40, shard_size=4, max_tokens=12)
+    job_id, ids = cluster.submit(64, shard_size=4, max_tokens=12)
     assert cluster.wait_status(job_id, {"completed"}) == "completed"
     lines = cluster.results(job_id)
     assert sorted(line["custom_id"] for line in lines) == ids  # no gap, no duplicate
