@@ -71,7 +71,7 @@ def _register_tasks(app: Celery) -> None:
         """Return expired leases to the queue (single-flight in the database)."""
         from workers.dispatch import rescue_and_redispatch
 
-        return rescue_and_redispatch(app=app)
+        return len(rescue_and_redispatch(app=app).requeued)
 
     @app.task(name=SCHEDULE_TICK, ignore_result=True)
     def schedule_tick() -> int:

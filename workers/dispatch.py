@@ -36,8 +36,9 @@ def dispatch_job(*, job_id: int, settings: Settings | None = None, app: Any = No
     return announce(app, shards)
 
 
-def rescue_and_redispatch(*, app: Any, settings: Settings | None = None, wake_per_model: int = 2) -> int:
-    """Rescue expired leases, then announce available shards again.
+def rescue_and_redispatch(*, app: Any, settings: Settings | None = None,
+                          wake_per_model: int = 2) -> shard_store.RescueReport:
+    """Rescue expired leases, then announce the requeued shards and wake workers for waiting ones.
 
     Announcing is idempotent (a taken shard ignores its message), and it covers messages the broker lost
     (a Redis restart without persistence): each model with available shards gets a few wake-up messages,
@@ -46,20 +47,10 @@ def rescue_and_redispatch(*, app: Any, settings: Settings | None = None, wake_pe
     settings = settings or get_settings()
     with session_factory(settings.effective_database_url)() as session:
         report = shard_store.rescue_expired(session)
-        shards = [session.get(Shard, shard_id) for shard_id in report.requeued]
-        waiting = _available_per_model(session, limit_per_model=wake_per_model)
+        requeued = [s for s in (session.get(Shard, shard_id) for shard_id in report.requeued) if s is not None]
+        waiting = shard_store.available_shards_per_model(session, limit_per_model=wake_per_model)
     if report.requeued or report.failed:
         logger.info("rescued shards: requeued %s, failed %s", report.requeued, report.failed)
-    seen = {s.id for s in shards if s is not None}
-    to_announce = [s for s in shards if s is not None] + [s for s in waiting if s.id not in seen]
-    return announce(app, to_announce)
-
-
-def _available_per_model(session: Any, *, limit_per_model: int) -> list[Shard]:
-    from sqlalchemy import func, select
-
-    ranked = (select(Shard.id, func.row_number().over(partition_by=Shard.model, order_by=(Shard.priority, Shard.id))
-                     .label("rank"))
-              .where(Shard.status == ShardStatus.AVAILABLE).subquery())
-    ids = session.scalars(select(ranked.c.id).where(ranked.c.rank <= limit_per_model)).all()
-    return [session.get(Shard, shard_id) for shard_id in ids]
+    seen = {s.id for s in requeued}
+    announce(app, requeued + [s for s in waiting if s.id not in seen])
+    return report

@@ -6,11 +6,15 @@ import logging
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 import click
 import orjson
 
 from batchinfer.config import get_settings
+
+if TYPE_CHECKING:
+    from batchinfer.store.shards import RescueReport
 
 
 def _setup_logging(level: str) -> None:
@@ -38,37 +42,23 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
         overrides["tensor_parallel_size"] = tensor_parallel_size
     local.process_model = model
     local.process_engine_overrides = overrides
-    report = local.rescue_once(settings)
-    if report.requeued or report.failed:
-        click.echo(f"rescued expired shards: requeued {report.requeued}, failed {report.failed}", err=True)
-
     if settings.broker_url:
         import os
-        import socket
-        from pathlib import Path
 
-        from batchinfer.store import shards as shard_store
-        from batchinfer.store.db import session_factory
         from workers.celery_app import get_app, queue_name
-        from workers.dispatch import announce
+        from workers.dispatch import rescue_and_redispatch
 
-        with session_factory(settings.effective_database_url)() as session:
-            shard_store.register_worker(session, worker_id=local.worker_id_for(model), model=model,
-                                        hostname=socket.gethostname(), pid=os.getpid())
         app = get_app()
-        if report.requeued:
-            from batchinfer.store.models import Shard
-
-            with session_factory(settings.effective_database_url)() as session:
-                announce(app, [s for s in (session.get(Shard, i) for i in report.requeued) if s is not None])
-        # The solo pool runs tasks in this process (no fork): load the engine now, so "ready" means ready
-        # and the first shard does not wait for the model.
+        _say_rescued(rescue_and_redispatch(app=app, settings=settings))
+        # The solo pool runs tasks in this process (no fork): load the engine (and register the worker) now,
+        # so "ready" means ready and the first shard does not wait for the model.
         local.process_worker()
-        app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_name(model),
-                         "-n", f"batchinfer-{Path(model).name}-{os.getpid()}@%h", f"--loglevel={log_level.upper()}",
-                         "--without-gossip", "--without-mingle"])
+        node = f"batchinfer-{os.path.basename(model)}-{os.getpid()}@%h"
+        app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_name(model), "-n", node,
+                         f"--loglevel={log_level.upper()}", "--without-gossip", "--without-mingle"])
         return
 
+    _say_rescued(local.rescue_once(settings))
     stop = threading.Event()
 
     def _stop(signum: int, _frame: object) -> None:
@@ -126,14 +116,16 @@ def rescue() -> None:
 
     settings = get_settings()
     LocalBackend(settings)
-    report = rescue_once(settings)
-    if settings.broker_url and report.requeued:
-        from batchinfer.store.db import session_factory
-        from batchinfer.store.models import Shard
+    if settings.broker_url:
         from workers.celery_app import get_app
-        from workers.dispatch import announce
+        from workers.dispatch import rescue_and_redispatch
 
-        with session_factory(settings.effective_database_url)() as session:
-            announce(get_app(),
-                     [s for s in (session.get(Shard, i) for i in report.requeued) if s is not None])
+        report = rescue_and_redispatch(app=get_app(), settings=settings)
+    else:
+        report = rescue_once(settings)
     click.echo(f"requeued {report.requeued}, failed {report.failed}, cancelled {report.cancelled}")
+
+
+def _say_rescued(report: RescueReport) -> None:
+    if report.requeued or report.failed:
+        click.echo(f"rescued expired shards: requeued {report.requeued}, failed {report.failed}", err=True)

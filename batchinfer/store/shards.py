@@ -297,6 +297,15 @@ def list_shards(session: Session, *, job_id: int, status: str | None = None) -> 
     return found
 
 
+def available_shards_per_model(session: Session, *, limit_per_model: int) -> list[Shard]:
+    """The first `limit_per_model` available shards of each model (priority, then id): whom to wake."""
+    ranked = (select(Shard.id, func.row_number().over(partition_by=Shard.model,
+                                                      order_by=(Shard.priority, Shard.id)).label("rank"))
+              .where(Shard.status == ShardStatus.AVAILABLE).subquery())
+    ids = session.scalars(select(ranked.c.id).where(ranked.c.rank <= limit_per_model)).all()
+    return list(session.scalars(select(Shard).where(Shard.id.in_(ids)).order_by(Shard.id))) if ids else []
+
+
 def shard_counts(session: Session, *, job_id: int) -> dict[str, int]:
     """Number of the job's shards in each status."""
     rows = session.execute(select(Shard.status, func.count()).where(Shard.job_id == job_id).group_by(Shard.status))

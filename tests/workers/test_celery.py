@@ -85,6 +85,13 @@ class Cluster:
             time.sleep(0.2)
         raise AssertionError(f"job {job_id} stayed {self.job(job_id).status}\n{self.logs()}")
 
+    def wait_completed(self, job_id: int, count: int, timeout: float = 60) -> None:
+        """Wait until `count` requests of the job have results (the job is mid-flight)."""
+        deadline = time.monotonic() + timeout
+        while self.job(job_id).request_counts["completed"] < count:
+            assert time.monotonic() < deadline, self.logs()
+            time.sleep(0.05)
+
     def results(self, job_id: int) -> list[dict]:
         out = self.tmp_path / f"out-{job_id}.jsonl"
         with self.sessions() as session:
@@ -159,10 +166,7 @@ def test_kill_9_mid_shard_then_rescue_completes_exactly_once(cluster: Cluster) -
     victim = cluster.start_worker("w0")
     _wait_workers_ready(cluster, 1)
     job_id, ids = cluster.submit(24, shard_size=8, max_tokens=48)
-    deadline = time.monotonic() + 60
-    while cluster.job(job_id).request_counts["completed"] < 2:  # some results written, more in flight
-        assert time.monotonic() < deadline, cluster.logs()
-        time.sleep(0.05)
+    cluster.wait_completed(job_id, 2)  # some results written, more in flight
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
     done_at_crash = cluster.job(job_id).request_counts["completed"]
@@ -181,10 +185,7 @@ def test_cancel_mid_job_keeps_finished_results(cluster: Cluster) -> None:
     cluster.start_worker("w0")
     _wait_workers_ready(cluster, 1)
     job_id, ids = cluster.submit(40, shard_size=4, max_tokens=64)
-    deadline = time.monotonic() + 60
-    while cluster.job(job_id).request_counts["completed"] < 2:
-        assert time.monotonic() < deadline, cluster.logs()
-        time.sleep(0.05)
+    cluster.wait_completed(job_id, 2)
     with cluster.sessions() as session:
         cancel_job(session, job_id=job_id, owner="t")
     assert cluster.wait_status(job_id, {"cancelled"}, timeout=30) == "cancelled"
@@ -213,10 +214,7 @@ def test_broker_restart_mid_job_loses_nothing(pg_url: str, tiny_llama: Path, tmp
         c.start_worker("w0")
         _wait_workers_ready(c, 1)
         job_id, ids = c.submit(32, shard_size=4, max_tokens=24)
-        deadline = time.monotonic() + 60
-        while c.job(job_id).request_counts["completed"] < 2:
-            assert time.monotonic() < deadline, c.logs()
-            time.sleep(0.05)
+        c.wait_completed(job_id, 2)
         redis.terminate()
         redis.wait()
         time.sleep(1)
