@@ -1,14 +1,14 @@
-"""Batch file line formats (OpenAI Batch API): input lines, their normalization, output/error lines.
+"""Batch file input lines (OpenAI Batch API) and their normalization; output lines are in output_lines.py.
 
 Input, one JSON object per line, either the OpenAI form
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
 or a shorthand {"messages": [...], ...} / {"prompt": "...", ...} with the sampling fields at top level
 (custom_id optional, default "line-<n>"; url implied by messages vs prompt).
 
-`parse_line` turns a line into a NormalizedRequest (endpoint, messages or prompt, vLLM sampling params)
-or raises LineError naming the field and the fix. It is the ingest hot path: hand-written checks, the
-value checks delegated to SamplingParams. The pydantic models document the same shapes (for the API
-schema and for tests); the output builders produce what export writes.
+`parse_line` turns a line into a NormalizedRequest (endpoint, messages or prompt, SamplingParams)
+or raises LineError naming the field and the fix. It is the ingest hot path: hand-written checks of
+the OpenAI body, the value checks left to SamplingParams itself, which is built once per distinct set
+of sampling fields and then stored with to_dict (the worker's from_dict does not check it again).
 
 Where the body omits max_tokens the request runs until the model's context is full (OpenAI's rule),
 so params carry max_tokens=None. The body's "model" is ignored: a job runs one model.
@@ -19,12 +19,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any
 
 import orjson
-from pydantic import BaseModel, Field
 
-from batchinfer.engine.sampling_params import SamplingParams
+from batchinfer.engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 class Endpoint(StrEnum):
@@ -68,13 +67,13 @@ class LineError(ValueError):
 
 @dataclass(slots=True)
 class NormalizedRequest:
-    """One validated request: what a worker needs to run it (params use vLLM names)."""
+    """One validated request: what a worker needs to run it."""
 
     custom_id: str
     endpoint: Endpoint
     messages: list[dict[str, Any]] | None
     prompt: str | list[int] | None
-    params: dict[str, Any]
+    params: SamplingParams  # shared with other requests of the same sampling fields (it is frozen)
 
     def prefix_text(self) -> str:
         """The text a prompt starts with, as the model will see it (for grouping shared prefixes)."""
@@ -87,8 +86,8 @@ class NormalizedRequest:
     def payload(self) -> dict[str, Any]:
         """What the requests table stores for a worker: the prompt or messages, and the params."""
         if self.messages is not None:
-            return {"messages": self.messages, "params": self.params}
-        return {"prompt": self.prompt, "params": self.params}
+            return {"messages": self.messages, "params": self.params.to_dict()}
+        return {"prompt": self.prompt, "params": self.params.to_dict()}
 
 
 # --------------------------------------------------------------------------------------------- input
@@ -117,21 +116,11 @@ def parse_line(line: bytes, line_number: int, *, max_metadata_bytes: int = 16 * 
                     "(shorthand form)", code="missing_required_parameter")
 
 
-def normalize_body(url: str, body: dict[str, Any], *, custom_id: str = "",
-                   max_metadata_bytes: int = 16 * 1024) -> NormalizedRequest:
-    """Validate an OpenAI request body for `url` into a NormalizedRequest (raises LineError)."""
-    endpoint = URL_TO_ENDPOINT.get(url)
-    if endpoint is None:
-        raise LineError(f"url {url!r} is not supported; use one of {sorted(URL_TO_ENDPOINT)}",
-                        code="invalid_url", param="url", custom_id=custom_id or None)
-    return _normalize(endpoint, body, custom_id, "body.", max_metadata_bytes)
-
-
 def _parse_shorthand(obj: dict[str, Any], line_number: int, max_metadata_bytes: int) -> NormalizedRequest:
     custom_id = obj.get("custom_id", f"line-{line_number}")
     if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
-        raise LineError(f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters, got {custom_id!r:.80}",
-                        param="custom_id")
+        raise LineError(f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters, "
+                        f"got {custom_id!r:.80}", param="custom_id")
     body = obj
     if "custom_id" in obj:
         body = {k: v for k, v in obj.items() if k != "custom_id"}
@@ -141,7 +130,8 @@ def _parse_shorthand(obj: dict[str, Any], line_number: int, max_metadata_bytes: 
 
 def _parse_envelope(obj: dict[str, Any], max_metadata_bytes: int) -> NormalizedRequest:
     custom_id = obj.get("custom_id")
-    readable_id = custom_id if isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS else None
+    readable = isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS
+    readable_id = custom_id if readable else None
 
     def fail(message: str, code: str = "invalid_request", param: str | None = None) -> LineError:
         return LineError(message, code=code, param=param, custom_id=readable_id)
@@ -149,8 +139,8 @@ def _parse_envelope(obj: dict[str, Any], max_metadata_bytes: int) -> NormalizedR
     if len(obj) != len(ENVELOPE_FIELDS) or not ENVELOPE_FIELDS.issuperset(obj):
         unknown = obj.keys() - ENVELOPE_FIELDS
         if unknown:
-            raise fail(f"unknown field {sorted(unknown)[0]!r}; a batch line has exactly custom_id, method, url "
-                       "and body", param=sorted(unknown)[0])
+            raise fail(f"unknown field {sorted(unknown)[0]!r}; a batch line has exactly custom_id, method, "
+                       "url and body", param=sorted(unknown)[0])
         missing = sorted(ENVELOPE_FIELDS - obj.keys())[0]
         raise fail(f"missing required field {missing!r}", "missing_required_parameter", missing)
     if not isinstance(custom_id, str):
@@ -162,7 +152,8 @@ def _parse_envelope(obj: dict[str, Any], max_metadata_bytes: int) -> NormalizedR
         raise fail(f"method must be \"POST\", got {obj['method']!r}", "invalid_method", "method")
     url, body = obj["url"], obj["body"]
     if not isinstance(url, str) or url not in URL_TO_ENDPOINT:
-        raise fail(f"url {url!r} is not supported; use one of {sorted(URL_TO_ENDPOINT)}", "invalid_url", "url")
+        raise fail(f"url {url!r} is not supported; use one of {sorted(URL_TO_ENDPOINT)}", "invalid_url",
+                   "url")
     if not isinstance(body, dict):
         raise fail(f"body must be a JSON object, got {_json_type(body)}", param="body")
     return _normalize(URL_TO_ENDPOINT[url], body, custom_id, "body.", max_metadata_bytes)
@@ -190,8 +181,8 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
             validate_metadata(body["metadata"], max_bytes=max_metadata_bytes)
         except ValueError as exc:
             raise fail(str(exc), "metadata") from None
-    # Files repeat a handful of sampling configurations: validate each distinct one once. The key is the
-    # JSON text, so 1, 1.0 and true stay distinct.
+    # Files repeat a handful of sampling configurations: build (and so validate) each distinct one once
+    # and share it. The key is the JSON text, so 1, 1.0 and true stay distinct.
     key = (endpoint, orjson.dumps(options))
     checked = _OPTIONS_CACHE.get(key)
     if checked is None:
@@ -201,22 +192,23 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
         _OPTIONS_CACHE[key] = checked
     if isinstance(checked, LineError):
         raise fail(checked.message, checked.param or "", checked.code)
-    return NormalizedRequest(custom_id, endpoint, messages, prompt, dict(checked))
+    return NormalizedRequest(custom_id, endpoint, messages, prompt, checked)
 
 
 _PROMPT_AND_METADATA = frozenset({"messages", "prompt", "metadata"})
-_OPTIONS_CACHE: dict[tuple[Endpoint, bytes], dict[str, Any] | LineError] = {}
+_OPTIONS_CACHE: dict[tuple[Endpoint, bytes], SamplingParams | LineError] = {}
 _OPTIONS_CACHE_SIZE = 4096
 
 
-def _check_options(endpoint: Endpoint, options: dict[str, Any]) -> dict[str, Any] | LineError:
-    """The vLLM params of a body's non-prompt fields, or the LineError (message without location) they earn."""
+def _check_options(endpoint: Endpoint, options: dict[str, Any]) -> SamplingParams | LineError:
+    """The SamplingParams of a body's non-prompt fields, or the LineError (without location) they earn."""
     allowed = CHAT_FIELDS if endpoint is Endpoint.CHAT else COMPLETION_FIELDS
     unknown = options.keys() - allowed
     if unknown:
         return LineError("unknown or unsupported field (check the spelling)", param=sorted(unknown)[0])
     if options.get("stream"):
-        return LineError("streaming is not available in a batch; remove it or set it to false", param="stream")
+        return LineError("streaming is not available in a batch; remove it or set it to false",
+                         param="stream")
     params = {name: options[name] for name in SAMPLING_FIELDS.intersection(options)}
     if "max_completion_tokens" in options:
         if "max_tokens" in options and options["max_tokens"] != options["max_completion_tokens"]:
@@ -236,13 +228,27 @@ def _check_options(endpoint: Endpoint, options: dict[str, Any]) -> dict[str, Any
     elif options.get("logprobs") is not None:
         params["logprobs"] = options["logprobs"]  # completions: an int, the number of top logprobs
     try:
-        SamplingParams(**params)
-    except (ValueError, TypeError) as exc:
-        param, _, message = str(exc).partition(": ")
-        return LineError(message or str(exc), code="invalid_value", param=param if message else "body")
-    return params
+        return SamplingParams(**params)
+    except SamplingParamsError as exc:
+        return LineError(exc.message, code="invalid_value", param=exc.field)
 
 
+def check_sampling_fields(fields: dict[str, Any]) -> None:
+    """Check body fields to be added to lines that lack them (schedule defaults), as parse_line would.
+
+    Only sampling fields may be given. They are valid when one endpoint accepts them (chat's logprobs is
+    a boolean, completions' a count). Raises the LineError the line would get, chat's when both refuse.
+    """
+    unknown = fields.keys() - _DEFAULTABLE_FIELDS
+    if unknown:
+        allowed = ", ".join(sorted(_DEFAULTABLE_FIELDS))
+        raise LineError(f"not a sampling field; defaults may set only {allowed}", param=sorted(unknown)[0])
+    checked = [_check_options(endpoint, fields) for endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS)]
+    if all(isinstance(result, LineError) for result in checked):
+        raise checked[0]
+
+
+_DEFAULTABLE_FIELDS = SAMPLING_FIELDS | {"max_completion_tokens", "logprobs", "top_logprobs"}
 _MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 
 
@@ -256,7 +262,8 @@ def _messages(messages: Any, fail: Any) -> list[dict[str, Any]]:
     out = messages
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise fail(f"must be an object with role and content, got {_json_type(message)}", f"messages[{i}]")
+            raise fail(f"must be an object with role and content, got {_json_type(message)}",
+                       f"messages[{i}]")
         role, content = message.get("role"), message.get("content")
         if role not in CHAT_ROLES:
             raise fail(f"role {role!r} is not one of {sorted(CHAT_ROLES)}", f"messages[{i}].role")
@@ -268,7 +275,8 @@ def _messages(messages: Any, fail: Any) -> list[dict[str, Any]]:
         if isinstance(content, list) and content:
             texts = []
             for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
                     raise fail("only text parts {\"type\": \"text\", \"text\": ...} are supported",
                                f"messages[{i}].content[{j}]")
                 texts.append(part["text"])
@@ -276,13 +284,15 @@ def _messages(messages: Any, fail: Any) -> list[dict[str, Any]]:
                 out = list(messages)  # copy before rewriting content parts to one string
             out[i] = {**message, "content": "\n".join(texts)}
             continue
-        raise fail(f"must be a string or a list of text parts, got {_json_type(content)}", f"messages[{i}].content")
+        raise fail(f"must be a string or a list of text parts, got {_json_type(content)}",
+                   f"messages[{i}].content")
     return out
 
 
 def _prompt(prompt: Any, fail: Any) -> str | list[int]:
     if prompt is None:
-        raise fail("missing; a completion request needs a prompt string", "prompt", "missing_required_parameter")
+        raise fail("missing; a completion request needs a prompt string", "prompt",
+                   "missing_required_parameter")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -337,102 +347,3 @@ def _json_type(value: Any) -> str:
     if isinstance(value, int | float):
         return "a number" if math.isfinite(value) else "a non-finite number"
     return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
-
-
-# -------------------------------------------------------------------------------------------- output
-
-
-def response_body(*, endpoint: str, model: str, request_key: int, created: int, choices: list[dict[str, Any]],
-                  prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """A chat.completion / text_completion object from a worker's choices ({text, finish_reason, logprobs})."""
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-    if endpoint == Endpoint.CHAT:
-        out_choices = [{"index": c.get("index", i), "message": {"role": "assistant", "content": c["text"]},
-                        "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]}
-                       for i, c in enumerate(choices)]
-        return {"id": f"chatcmpl-batch-{request_key}", "object": "chat.completion", "created": created,
-                "model": model, "choices": out_choices, "usage": usage}
-    out_choices = [{"index": c.get("index", i), "text": c["text"], "logprobs": c.get("logprobs"),
-                    "finish_reason": c["finish_reason"]} for i, c in enumerate(choices)]
-    return {"id": f"cmpl-batch-{request_key}", "object": "text_completion", "created": created,
-            "model": model, "choices": out_choices, "usage": usage}
-
-
-def output_line(*, request_key: int, custom_id: str, body: dict[str, Any] | orjson.Fragment) -> dict[str, Any]:
-    """A success line of the output file (`body` may be pre-serialized JSON as an orjson.Fragment)."""
-    return {"id": f"batch_req_{request_key}", "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": f"req_{request_key}", "body": body}, "error": None}
-
-
-def error_line(*, request_key: int, custom_id: str, code: str, message: str) -> dict[str, Any]:
-    """A line of the error file: same shape as a success line, response null."""
-    return {"id": f"batch_req_{request_key}", "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message}}
-
-
-# -------------------------------------------------------------------------------- schemas (documentation)
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-
-class BatchInputLine(BaseModel):
-    """The OpenAI batch input line."""
-
-    custom_id: str = Field(min_length=1, max_length=MAX_CUSTOM_ID_CHARS)
-    method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions"]
-    body: dict[str, Any]
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class ResponseBody(BaseModel):
-    id: str
-    object: Literal["chat.completion", "text_completion"]
-    created: int
-    model: str
-    choices: list[dict[str, Any]]
-    usage: Usage
-
-
-class BatchResponse(BaseModel):
-    status_code: int
-    request_id: str
-    body: ResponseBody
-
-
-class BatchError(BaseModel):
-    code: str
-    message: str
-
-
-class BatchOutputLine(BaseModel):
-    """A line of the output file (response set, error null) or of the error file (response null)."""
-
-    id: str
-    custom_id: str
-    response: BatchResponse | None
-    error: BatchError | None

@@ -53,7 +53,7 @@ def _work(settings_dict: dict[str, Any], model: str, threads: int) -> None:
 
     torch.set_num_threads(threads)
     from batchinfer.config import Settings
-    from workers.local import make_runner, poll_forever
+    from workers.process import make_runner, poll_forever
 
     settings = Settings(**settings_dict)
     runner = make_runner(model=model, settings=settings)

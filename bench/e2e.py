@@ -52,7 +52,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def run_direct(args: argparse.Namespace, bodies: list[dict]) -> tuple[float, int]:
-    from batchinfer.engine.llm_engine import LLM
+    from batchinfer.engine.llm import LLM
     from batchinfer.engine.sampling_params import SamplingParams
 
     llm = LLM(args.model, **engine_kwargs(args))
@@ -66,8 +66,9 @@ def run_direct(args: argparse.Namespace, bodies: list[dict]) -> tuple[float, int
 def run_local(args: argparse.Namespace, path: Path, workdir: Path) -> tuple[float, int]:
     from batchinfer.config import Settings
     from batchinfer.store.db import session_factory, upgrade
-    from batchinfer.store.jobs import export_results, get_job, submit_job
-    from workers.local import make_runner, run_job
+    from batchinfer.store.export import export_results
+    from batchinfer.store.jobs import get_job, submit_job
+    from workers.process import make_runner, run_job
 
     url = f"sqlite:///{workdir / 'local.db'}"
     upgrade(url)
@@ -76,7 +77,7 @@ def run_local(args: argparse.Namespace, path: Path, workdir: Path) -> tuple[floa
     sessions = session_factory(url)
     start = time.perf_counter()
     with sessions() as session:
-        job = submit_job(session, path=path, model=args.model, owner="bench")
+        job = submit_job(session, settings=settings, path=path, model=args.model, owner="bench")
     run_job(job_id=job.id, runner=runner)
     with sessions() as session:
         lines = sum(1 for _ in export_results(session, job_id=job.id))
@@ -91,9 +92,10 @@ def run_celery(args: argparse.Namespace, path: Path, workdir: Path) -> tuple[flo
 
     from batchinfer.config import Settings
     from batchinfer.store.db import session_factory, upgrade
-    from batchinfer.store.jobs import export_results, get_job, submit_job
-    from workers.celery_app import create_celery_app
-    from workers.dispatch import dispatch_job
+    from batchinfer.store.export import export_results
+    from batchinfer.store.jobs import get_job
+    from workers.app import create_celery_app
+    from workers.dispatch import submit_and_announce
 
     name = f"bi_bench_{os.getpid()}"
     admin = sa.create_engine(args.postgres, isolation_level="AUTOCOMMIT")
@@ -117,13 +119,13 @@ def run_celery(args: argparse.Namespace, path: Path, workdir: Path) -> tuple[flo
         app = create_celery_app(settings)
         sessions = session_factory(url)
         with sessions() as session:
-            warm_job = submit_job(session, path=warm, model=args.model, owner="bench")
-        dispatch_job(job_id=warm_job.id, settings=settings, app=app)
+            warm_job = submit_and_announce(session=session, settings=settings, app=app, path=warm,
+                                           model=args.model, owner="bench")
         _wait_done(sessions, warm_job.id, worker, workdir)
         start = time.perf_counter()
         with sessions() as session:
-            job = submit_job(session, path=path, model=args.model, owner="bench")
-        dispatch_job(job_id=job.id, settings=settings, app=app)
+            job = submit_and_announce(session=session, settings=settings, app=app, path=path,
+                                      model=args.model, owner="bench")
         _wait_done(sessions, job.id, worker, workdir)
         with sessions() as session:
             lines = sum(1 for _ in export_results(session, job_id=job.id))
@@ -143,10 +145,11 @@ def run_celery(args: argparse.Namespace, path: Path, workdir: Path) -> tuple[flo
 
 def _wait_done(sessions, job_id: int, worker: subprocess.Popen, workdir: Path) -> None:  # noqa: ANN001
     from batchinfer.store.jobs import get_job
+    from batchinfer.store.models import JOB_TERMINAL_STATUSES
 
     while True:
         with sessions() as session:
-            if get_job(session, job_id=job_id).status in ("completed", "failed", "cancelled", "expired"):
+            if get_job(session, job_id=job_id).status in JOB_TERMINAL_STATUSES:
                 return
         if worker.poll() is not None:
             raise RuntimeError("worker died:\n" + (workdir / "worker.log").read_text()[-3000:])

@@ -5,7 +5,7 @@ ignore_eos, per-request max_tokens spread deterministically over [--min-tokens, 
   1. transformers `generate` in static padded batches (each batch runs until its longest request is done),
   2. transformers continuous batching (`init_continuous_batching` / add_request, the engine behind
      `generate_batch`, with each request's own max_new_tokens),
-  3. our engine (batchinfer.engine.llm_engine.LLM),
+  3. our engine (batchinfer.engine.llm.LLM),
 and prints tokens/s of each (generated tokens that were asked for), our ratio to each, the share of the
 machine's fp32 matmul roofline our run reaches (2 * params FLOPs per generated token vs a big torch.matmul
 measured in the same run), greedy agreement with the continuous-batching outputs, and a markdown table.
@@ -115,7 +115,7 @@ def run_continuous(model, prompts, budgets) -> tuple[Result, list[list[int]]]:
 
 def run_ours(prompts, budgets, max_num_seqs: int) -> tuple[Result, list[list[int]]]:
     """batchinfer's engine on the same token ids."""
-    from batchinfer.engine.llm_engine import LLM
+    from batchinfer.engine.llm import LLM
     from batchinfer.engine.sampling_params import SamplingParams
 
     llm = LLM("smollm2-135m-instruct", max_num_seqs=max_num_seqs, dtype="float32", device="cpu")

@@ -78,8 +78,10 @@ def run_one(url: str, path: Path, lines: int) -> dict:
     """Measure one database (runs in a subprocess)."""
     from sqlalchemy import update
 
+    from batchinfer.config import get_settings
     from batchinfer.store import jobs, shards
     from batchinfer.store.db import session_factory, upgrade
+    from batchinfer.store.export import export_results
     from batchinfer.store.models import Request, RequestStatus
     from batchinfer.store.serialize import batch_object
 
@@ -88,7 +90,7 @@ def run_one(url: str, path: Path, lines: int) -> dict:
     rss_before = peak_rss_mb()
     with make_session() as session:
         start, cpu = time.perf_counter(), time.process_time()
-        job = jobs.submit_job(session, model="bench", path=path, shard_size=256)
+        job = jobs.submit_job(session, settings=get_settings(), model="bench", path=path, shard_size=256)
         ingest_s, ingest_cpu_s = time.perf_counter() - start, time.process_time() - cpu
         assert job.status == "in_progress", batch_object(job)
         assert job.total_requests == lines, (job.total_requests, lines)
@@ -128,7 +130,7 @@ def run_one(url: str, path: Path, lines: int) -> dict:
         session.commit()
     with make_session() as session:
         exported, nbytes, start = 0, 0, time.perf_counter()
-        for line in jobs.export_results(session, job_id=job.id):
+        for line in export_results(session, job_id=job.id):
             exported += 1
             nbytes += len(line)
         export_s = time.perf_counter() - start

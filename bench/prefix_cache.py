@@ -95,7 +95,7 @@ def build_prompts(tokenizer, num_requests: int, system_tokens: int) -> tuple[lis
 
 def run(label: str, prompts: list[list[int]], max_tokens: int, *, enable_prefix_caching: bool) -> RunResult:
     """One LLM instance, one generate() over every prompt; figures from its engine."""
-    from batchinfer.engine.llm_engine import LLM
+    from batchinfer.engine.llm import LLM
     from batchinfer.engine.sampling_params import SamplingParams
 
     llm = LLM(MODEL, device="cpu", dtype="float32", enable_prefix_caching=enable_prefix_caching)

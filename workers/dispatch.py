@@ -1,42 +1,65 @@
-"""Announce shards on the broker: one message per shard, carrying only its id, on its model's queue."""
+"""Announce shards on the broker: one message per shard, carrying only its id, on its model's queue.
+
+Announcing only wakes workers; the database decides who runs what (ARCHITECTURE.md, contract 9). So
+announcing twice is harmless (a taken shard ignores its message) and a lost announcement is repaired by
+`rescue_and_redispatch`, which beat runs every few seconds and every `batchinfer worker` runs at start.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings, get_settings
 from batchinfer.store import shards as shard_store
 from batchinfer.store.db import session_factory
-from batchinfer.store.models import Shard, ShardStatus
+from batchinfer.store.jobs import submit_job
+from batchinfer.store.models import Job, JobStatus, Shard, ShardStatus
+from workers.app import RUN_SHARD, get_app, queue_name
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 logger = logging.getLogger("batchinfer.workers")
 
 
-def announce(app: Any, shards: list[Shard]) -> int:
-    """Send one run_shard message per shard to `batchinfer.<model>`."""
-    from workers.celery_app import RUN_SHARD, queue_name
-
+def announce(app: Celery, shards: Iterable[Shard]) -> int:
+    """Send one run_shard message per shard to its model's queue; returns the messages sent."""
+    sent = 0
     for shard in shards:
         app.send_task(RUN_SHARD, args=[shard.id], queue=queue_name(shard.model))
-    return len(shards)
+        sent += 1
+    return sent
 
 
-def dispatch_job(*, job_id: int, settings: Settings | None = None, app: Any = None) -> int:
-    """Announce the job's available shards when a broker is configured; 0 in local mode."""
-    settings = settings or get_settings()
-    if not settings.broker_url:
-        return 0
-    if app is None:
-        from workers.celery_app import get_app
-
-        app = get_app()
-    with session_factory(settings.effective_database_url)() as session:
-        shards = shard_store.list_shards(session, job_id=job_id, status=ShardStatus.AVAILABLE)
-    return announce(app, shards)
+def announce_job(*, session: Session, job_id: int, app: Celery) -> int:
+    """Announce the job's available shards; returns the messages sent."""
+    return announce(app, shard_store.list_shards(session, job_id=job_id, status=ShardStatus.AVAILABLE))
 
 
-def rescue_and_redispatch(*, app: Any, settings: Settings | None = None,
+def submit_and_announce(*, session: Session, settings: Settings, app: Celery | None = None,
+                        **submit_args: Any) -> Job:
+    """Submit a job (the rest of store.jobs.submit_job's arguments), then wake its model's workers.
+
+    Announcing happens only with a broker configured and a job that is `in_progress` (local-mode workers
+    poll the database instead). The job is committed before it is announced, so a broker failure here is
+    logged, not raised: the job stands, and rescue_and_redispatch announces its waiting shards later.
+    """
+    job = submit_job(session, settings=settings, **submit_args)
+    if job.status != JobStatus.IN_PROGRESS or not settings.broker_url:
+        return job
+    try:
+        announce_job(session=session, job_id=job.id, app=app if app is not None else get_app())
+    except Exception:  # the broker is down or unreachable; the database already holds the job
+        logger.exception("job %s is saved but its shards could not be announced on the broker; the next "
+                         "rescue pass (beat, or a worker starting) announces them", job.id)
+    return job
+
+
+def rescue_and_redispatch(*, app: Celery, settings: Settings | None = None,
                           wake_per_model: int = 2) -> shard_store.RescueReport:
     """Rescue expired leases, then announce the requeued shards and wake workers for waiting ones.
 
@@ -47,7 +70,8 @@ def rescue_and_redispatch(*, app: Any, settings: Settings | None = None,
     settings = settings or get_settings()
     with session_factory(settings.effective_database_url)() as session:
         report = shard_store.rescue_expired(session)
-        requeued = [s for s in (session.get(Shard, shard_id) for shard_id in report.requeued) if s is not None]
+        requeued = [shard for shard in (session.get(Shard, shard_id) for shard_id in report.requeued)
+                    if shard is not None]
         waiting = shard_store.available_shards_per_model(session, limit_per_model=wake_per_model)
     if report.requeued or report.failed:
         logger.info("rescued shards: requeued %s, failed %s", report.requeued, report.failed)

@@ -5,7 +5,7 @@ small batches fenced by each shard's lease token. It keeps several shards in fli
 one before the current one drains) so the running batch never empties at a shard boundary. The same
 code serves the local mode (`batchinfer run`, `batchinfer worker` without a broker) and Celery tasks.
 
-Ordering rules that keep "every custom_id exactly once" true:
+Ordering rules that keep "every custom_id exactly once" true (ARCHITECTURE.md, contract 7):
 - a result is written before its shard is completed; complete_shard errors whatever is still pending;
 - a shard whose lease is lost or whose job stopped is aborted in the engine and released, never completed;
 - after a crash nothing of ours is trusted: the rescuer returns the shard and only pending requests rerun.
@@ -18,14 +18,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from batchinfer.config import Settings
 from batchinfer.store import shards as shard_store
+from batchinfer.store import workers as worker_store
+from batchinfer.store.errors import LeaseLost
 from batchinfer.store.models import ShardStatus
-from batchinfer.store.shards import LeaseLost, PendingRequest, ShardLease
+from batchinfer.store.shards import PendingRequest, ShardLease
+
+if TYPE_CHECKING:
+    from batchinfer.engine.llm_engine import Engine
+    from batchinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 logger = logging.getLogger("batchinfer.workers")
 
@@ -54,7 +60,6 @@ class _Submitted:
     shard_id: int
     request: PendingRequest
     prompt: str | list[int]
-    params: Any
 
 
 @dataclass
@@ -74,7 +79,7 @@ ProgressCallback = Callable[[int, int], None]  # (requests finished now, tokens 
 class ShardRunner:
     """Runs shards of one model on one engine; see the module docstring for the guarantees."""
 
-    def __init__(self, *, engine: Any, sessions: sessionmaker[Session], model: str, worker_id: str,
+    def __init__(self, *, engine: Engine, sessions: sessionmaker[Session], model: str, worker_id: str,
                  settings: Settings, max_shards_in_flight: int = 4) -> None:
         self.engine = engine
         self.sessions = sessions
@@ -146,12 +151,13 @@ class ShardRunner:
                 candidates = shard_store.list_shards(session, job_id=job_id, status=ShardStatus.AVAILABLE)
                 lease = None
                 for shard in candidates:
-                    lease = shard_store.claim_shard(session, worker_id=self.worker_id, shard_id=shard.id)
+                    lease = shard_store.claim_shard(session, worker_id=self.worker_id, shard_id=shard.id,
+                                                    lease_seconds=self.settings.lease_seconds)
                     if lease is not None:
                         break
             else:
                 lease = shard_store.claim_shard(session, worker_id=self.worker_id, model=self.model,
-                                                shard_id=shard_id)
+                                                shard_id=shard_id, lease_seconds=self.settings.lease_seconds)
             if lease is None:
                 return False
             pending = shard_store.pending_requests(session, shard_id=lease.shard_id)
@@ -163,18 +169,15 @@ class ShardRunner:
         return True
 
     def _submit(self, flight: _Flight, request: PendingRequest) -> None:
-        from batchinfer.engine.sampling_params import SamplingParams
-
         engine_id = str(request.request_id)
-        try:
-            params = SamplingParams(**request.params)
+        try:  # request.params was validated at ingest; the engine still checks it against this model
             prompt = self._prompt(request)
-            self.engine.add_request(engine_id, prompt, params)
+            self.engine.add_request(engine_id, prompt, request.params)
         except (ValueError, TypeError) as exc:
             flight.buffered.append(_error(request.request_id, "invalid_request", str(exc)))
             return
         flight.outstanding.add(engine_id)
-        self._submitted[engine_id] = _Submitted(flight.lease.shard_id, request, prompt, params)
+        self._submitted[engine_id] = _Submitted(flight.lease.shard_id, request, prompt)
 
     def _prompt(self, request: PendingRequest) -> str | list[int]:
         if request.messages is None:
@@ -187,7 +190,7 @@ class ShardRunner:
 
     # --- results -------------------------------------------------------------------------------------
 
-    def _collect(self, output: Any, stats: RunStats) -> int:
+    def _collect(self, output: RequestOutput, stats: RunStats) -> int:
         submitted = self._submitted.pop(output.request_id, None)
         if submitted is None:
             return 0
@@ -231,13 +234,15 @@ class ShardRunner:
         if now - self._last_worker_beat >= WORKER_HEARTBEAT_S:
             self._last_worker_beat = now
             with self.sessions() as session:
-                shard_store.worker_heartbeat(session, worker_id=self.worker_id)
+                worker_store.worker_heartbeat(session, worker_id=self.worker_id)
         for shard_id, flight in list(self._flights.items()):
             if now - flight.last_check < self._check_interval:
                 continue
             flight.last_check = now
             with self.sessions() as session:
-                alive = shard_store.heartbeat(session, shard_id=shard_id, lease_token=flight.lease.lease_token)
+                alive = shard_store.heartbeat(session, shard_id=shard_id,
+                                              lease_token=flight.lease.lease_token,
+                                              lease_seconds=self.settings.lease_seconds)
             if not alive:  # job cancelled or expired, or the lease went to someone else
                 logger.info("shard %s stopped (job no longer in progress or lease lost)", shard_id)
                 self._abort_requests(flight)
@@ -289,16 +294,16 @@ class ShardRunner:
 
     # --- failure isolation ---------------------------------------------------------------------------
 
-    def _isolate_failure(self, exc: Exception) -> list[Any]:
+    def _isolate_failure(self, exc: Exception) -> list[RequestOutput]:
         """A step raised: rerun every in-flight request alone, so only the one(s) that raise are errored."""
         suspects = list(self._submitted.items())
         for engine_id, _ in suspects:
             self.engine.abort(engine_id)
-        finished: list[Any] = []
+        finished: list[RequestOutput] = []
         for engine_id, submitted in suspects:
             flight = self._flights.get(submitted.shard_id)
             try:
-                self.engine.add_request(engine_id, submitted.prompt, submitted.params)
+                self.engine.add_request(engine_id, submitted.prompt, submitted.request.params)
                 while self.engine.has_unfinished():
                     finished.extend(o for o in self.engine.step() if o.request_id == engine_id)
             except Exception as solo_exc:  # this request is the culprit
@@ -312,14 +317,14 @@ class ShardRunner:
         return finished
 
 
-# --- result dicts (see batchinfer.store.jobs.apply_results) ----------------------------------------
+# --- result dicts (see batchinfer.store.results.apply_results) -------------------------------------
 
 
 def _error(request_id: int, code: str, message: str) -> dict[str, Any]:
     return {"request_id": request_id, "error": {"code": code, "message": message}}
 
 
-def _result(request: PendingRequest, output: Any) -> dict[str, Any]:
+def _result(request: PendingRequest, output: RequestOutput) -> dict[str, Any]:
     choices = []
     for completion in output.outputs:
         choices.append({
@@ -337,20 +342,19 @@ def _result(request: PendingRequest, output: Any) -> dict[str, Any]:
     }
 
 
-def _logprobs(request: PendingRequest, completion: Any) -> dict[str, Any] | None:
+def _logprobs(request: PendingRequest, completion: CompletionOutput) -> dict[str, Any] | None:
     """OpenAI's logprobs object (chat: a `content` list; completions: parallel lists), or None."""
     if not completion.logprobs:
         return None
-    num_top = int(request.params.get("logprobs") or 0)
+    num_top = request.params.logprobs or 0
     positions = []
     for token_id, per_position in zip(completion.token_ids, completion.logprobs, strict=False):
         chosen = per_position.get(token_id)
         ranked = sorted(per_position.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
         positions.append((chosen, ranked[:num_top]))
     if request.endpoint == "chat":
-        return {"content": [
-            {**_token_entry(chosen), "top_logprobs": [_token_entry(lp) for lp in top]} for chosen, top in positions
-        ]}
+        return {"content": [{**_token_entry(chosen), "top_logprobs": [_token_entry(lp) for lp in top]}
+                            for chosen, top in positions]}
     return {
         "tokens": [_token_entry(chosen)["token"] for chosen, _ in positions],
         "token_logprobs": [_token_entry(chosen)["logprob"] for chosen, _ in positions],
@@ -358,7 +362,7 @@ def _logprobs(request: PendingRequest, completion: Any) -> dict[str, Any] | None
     }
 
 
-def _token_entry(logprob: Any) -> dict[str, Any]:
+def _token_entry(logprob: Logprob | None) -> dict[str, Any]:
     token = (logprob.decoded_token or "") if logprob is not None else ""
     return {"token": token, "logprob": logprob.logprob if logprob is not None else None,
             "bytes": list(token.encode())}

@@ -16,7 +16,8 @@ from fastapi import FastAPI
 
 from batchinfer import __version__
 from batchinfer.api import metrics
-from batchinfer.api.deps import AUTH_CACHE_TTL_S, STATUS_CACHE_TTL_S, TTLCache, shutdown_ingest_pool
+from batchinfer.api.cache import PollCache
+from batchinfer.api.deps import AUTH_CACHE_TTL_S, STATUS_CACHE_TTL_S, shutdown_ingest_pool
 from batchinfer.api.errors import install_error_handlers
 from batchinfer.api.routes import batches, files, health
 from batchinfer.config import Settings, get_settings
@@ -57,8 +58,9 @@ def create_app(settings: Settings | None = None, *, auth_cache_ttl_s: float = AU
     settings = settings or get_settings()
     if settings.auth_disabled and not is_loopback(settings.api_host):
         raise UnsafeConfiguration(
-            f"auth_disabled is only allowed when the API binds a loopback address, not {settings.api_host!r}; "
-            "create an API key (`batchinfer apikey create --name NAME`) or bind 127.0.0.1"
+            "auth_disabled is only allowed when the API binds a loopback address, "
+            f"not {settings.api_host!r}; create an API key (`batchinfer apikey create --name NAME`) "
+            "or bind 127.0.0.1"
         )
     files_dir(settings.data_dir).mkdir(parents=True, exist_ok=True)
 
@@ -73,8 +75,8 @@ def create_app(settings: Settings | None = None, *, auth_cache_ttl_s: float = AU
     app.state.session_factory = session_factory(settings.effective_database_url)
     app.state.jobs_registry = metrics.jobs_registry(app.state.session_factory)
     app.state.ingest_pool = None  # created on first use: an app may serve again after a lifespan ended
-    app.state.auth_cache = TTLCache(auth_cache_ttl_s)
-    app.state.status_cache = TTLCache(status_cache_ttl_s)
+    app.state.auth_cache = PollCache(auth_cache_ttl_s)
+    app.state.status_cache = PollCache(status_cache_ttl_s)
     app.state.result_file_sizes = {}  # (job id, kind) -> bytes of a finished job's generated file
 
     install_error_handlers(app)

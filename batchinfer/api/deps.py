@@ -1,20 +1,20 @@
-"""Request dependencies: settings, sessions, the caller (API key -> owner), the poll caches, the ingest threads."""
+"""Request dependencies: settings, sessions, the caller (API key -> owner), the ingest threads."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
+from batchinfer.api.cache import PollCache
 from batchinfer.api.errors import APIError
 from batchinfer.config import Settings
 from batchinfer.store.apikeys import authenticate, hash_key
@@ -75,53 +75,12 @@ def _unauthorized(message: str) -> APIError:
 
 _MISSING_KEY = ("You didn't provide an API key. Send it as 'Authorization: Bearer <key>' "
                 "(create one with `batchinfer apikey create --name NAME`).")
-_WRONG_KEY = "Incorrect API key provided. Check the key, or create a new one with `batchinfer apikey create --name NAME`."
+_WRONG_KEY = ("Incorrect API key provided. Check the key, or create a new one with "
+              "`batchinfer apikey create --name NAME`.")
 
 
-class TTLCache:
-    """A small time-bounded memo (monotonic clock) with refresh-ahead.
-
-    An entry lives ttl_s. Past half its life, `refresh_due` says yes once, so the caller can re-read it
-    in the background while still answering from the cache: steadily polled entries never make a
-    request wait for the database, and none is ever older than ttl_s. Dict operations are atomic under
-    the GIL, so threads and the event loop share it without a lock; at `max_entries` it starts over.
-    """
-
-    def __init__(self, ttl_s: float, max_entries: int = 10_000) -> None:
-        self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._entries: dict[Any, tuple[float, Any]] = {}
-        self._refreshing: set[Any] = set()
-
-    def get(self, key: Any) -> Any | None:
-        """The value stored under `key` less than ttl_s ago, else None."""
-        entry = self._entries.get(key)
-        return entry[1] if entry is not None and entry[0] > time.monotonic() else None
-
-    def refresh_due(self, key: Any) -> bool:
-        """True (once, until the next put or drop) when a live entry is past half its life."""
-        entry = self._entries.get(key)
-        if entry is None or key in self._refreshing or entry[0] - time.monotonic() > self.ttl_s / 2:
-            return False
-        self._refreshing.add(key)
-        return True
-
-    def put(self, key: Any, value: Any) -> None:
-        """Remember `value` for ttl_s (a no-op when ttl_s is 0)."""
-        self._refreshing.discard(key)
-        if self.ttl_s <= 0:
-            return
-        if len(self._entries) >= self.max_entries:
-            self._entries.clear()
-        self._entries[key] = (time.monotonic() + self.ttl_s, value)
-
-    def drop(self, key: Any) -> None:
-        """Forget `key` (after a change made through this process, or a failed refresh)."""
-        self._refreshing.discard(key)
-        self._entries.pop(key, None)
-
-
-def _owner_of(session: Session, settings: Settings, api_key: str | None, cache: TTLCache | None = None) -> str:
+def _owner_of(session: Session, settings: Settings, api_key: str | None,
+              cache: PollCache | None = None) -> str:
     if settings.auth_disabled:
         return LOCAL_OWNER
     owner = authenticate(session, key=api_key) if api_key else None
@@ -150,7 +109,7 @@ class Caller:
     settings: Settings
     sessions: sessionmaker[Session]
     api_key: str | None
-    auth_cache: TTLCache | None = None
+    auth_cache: PollCache | None = None
 
     @contextmanager
     def session(self) -> Iterator[tuple[Session, str]]:

@@ -66,7 +66,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPES.get(status_code, "server_error" if status_code >= 500 else "invalid_request_error")
+        self.type = type or _default_type(status_code)
         self.headers = headers
 
 
@@ -80,14 +80,19 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return APIError(400, message, param=param, code=code)
 
 
-def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:  # noqa: A002
+def _default_type(status_code: int) -> str:
+    return _TYPES.get(status_code, "server_error" if status_code >= 500 else "invalid_request_error")
+
+
+def error_body(message: str, *, type: str, param: str | None = None,  # noqa: A002
+               code: str | None = None) -> dict[str, Any]:
     """The JSON body of an error response."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def _response(status_code: int, message: str, *, type: str | None = None, param: str | None = None,  # noqa: A002
               code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    error_type = type or _TYPES.get(status_code, "server_error" if status_code >= 500 else "invalid_request_error")
+    error_type = type or _default_type(status_code)
     return JSONResponse(error_body(message, type=error_type, param=param, code=code), status_code=status_code,
                         headers=headers)
 
@@ -112,6 +117,9 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
+_NOT_AN_OBJECT = ("json_invalid", "model_attributes_type", "dict_type")  # pydantic: the body is no object
+
+
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
@@ -122,7 +130,7 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}."
     if first.get("type") == "missing":
         message = f"Missing required parameter: '{param}'."
-    elif first.get("type") in ("json_invalid", "model_attributes_type", "dict_type") and param in ("", "body"):
+    elif first.get("type") in _NOT_AN_OBJECT and param in ("", "body"):
         message = "The request body must be a JSON object."
     if len(errors) > 1:
         message += f" ({len(errors) - 1} more error(s) in the request.)"

@@ -1,9 +1,5 @@
 """GET /metrics: the process's Prometheus registry (engine metrics, API counters) plus job metrics read
-from the database at scrape time.
-
-The scrape-time queries are cheap by construction: jobs grouped by status read the jobs table only
-(request figures come from the jobs' incremental counters, never COUNT over requests), and the queue
-depth counts available shards through the (status, model, ...) index.
+from the database at scrape time (batchinfer.store.stats, cheap by construction).
 """
 
 from __future__ import annotations
@@ -23,12 +19,12 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from batchinfer.metrics import PREFIX
-from batchinfer.store.models import Job, JobStatus, Shard, ShardStatus
+from batchinfer.engine.metrics import PREFIX
+from batchinfer.store.models import JobStatus, ShardStatus
+from batchinfer.store.stats import job_totals_by_status, open_shards_by_model
 
 API_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -36,9 +32,12 @@ API_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 API_LATENCY = Histogram(f"{PREFIX}api_request_duration_seconds", "API request latency by route.",
                         ["route", "method", "status"], buckets=API_LATENCY_BUCKETS)
 UPLOADED_BYTES = Counter(f"{PREFIX}api_uploaded_bytes", "Bytes of input files uploaded.")
-INGESTED_REQUESTS = Counter(f"{PREFIX}api_ingested_requests", "Request lines ingested by batches created over the API.")
-EXPORTED_LINES = Counter(f"{PREFIX}api_exported_lines", "Result lines served by /v1/files/{id}/content.", ["kind"])
-EXPORTED_BYTES = Counter(f"{PREFIX}api_exported_bytes", "Result bytes served by /v1/files/{id}/content.", ["kind"])
+INGESTED_REQUESTS = Counter(f"{PREFIX}api_ingested_requests",
+                            "Request lines ingested by batches created over the API.")
+EXPORTED_LINES = Counter(f"{PREFIX}api_exported_lines", "Result lines served by /v1/files/{id}/content.",
+                         ["kind"])
+EXPORTED_BYTES = Counter(f"{PREFIX}api_exported_bytes", "Result bytes served by /v1/files/{id}/content.",
+                         ["kind"])
 
 # Where the requests a job has not finished stand, by the job's status.
 _UNFINISHED_REQUEST_STATUS = {
@@ -62,29 +61,23 @@ class JobsCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """Run the scrape-time queries and yield the gauges."""
         jobs = GaugeMetricFamily(f"{PREFIX}jobs", "Jobs by status.", labels=["status"])
-        requests = GaugeMetricFamily(f"{PREFIX}job_requests", "Requests of all jobs by status (job counters).",
-                                     labels=["status"])
-        queue = GaugeMetricFamily(f"{PREFIX}queue_depth", "Shards available to claim, by model.", labels=["model"])
+        requests = GaugeMetricFamily(f"{PREFIX}job_requests",
+                                     "Requests of all jobs by status (job counters).", labels=["status"])
+        queue = GaugeMetricFamily(f"{PREFIX}queue_depth", "Shards available to claim, by model.",
+                                  labels=["model"])
         running = GaugeMetricFamily(f"{PREFIX}shards_running", "Shards leased by a worker, by model.",
                                     labels=["model"])
         with self.session_factory() as session:
-            by_status = session.execute(
-                select(Job.status, func.count(), func.sum(Job.total_requests), func.sum(Job.completed_requests),
-                       func.sum(Job.failed_requests)).group_by(Job.status)
-            ).all()
-            shards = session.execute(
-                select(Shard.status, Shard.model, func.count())
-                .where(Shard.status.in_([ShardStatus.AVAILABLE, ShardStatus.RUNNING]))
-                .group_by(Shard.status, Shard.model)
-            ).all()
+            by_status = job_totals_by_status(session)
+            shards = open_shards_by_model(session)
         request_totals = dict.fromkeys(("pending", "succeeded", "errored", "canceled", "expired"), 0)
         job_counts = dict.fromkeys((str(s) for s in JobStatus), 0)
-        for status, count, total, completed, failed in by_status:
-            job_counts[str(status)] = job_counts.get(str(status), 0) + count
-            request_totals["succeeded"] += completed or 0
-            request_totals["errored"] += failed or 0
-            unfinished = (total or 0) - (completed or 0) - (failed or 0)
-            bucket = _UNFINISHED_REQUEST_STATUS.get(status, "pending")
+        for row in by_status:
+            job_counts[str(row.status)] = job_counts.get(str(row.status), 0) + row.jobs
+            request_totals["succeeded"] += row.completed_requests
+            request_totals["errored"] += row.failed_requests
+            unfinished = row.total_requests - row.completed_requests - row.failed_requests
+            bucket = _UNFINISHED_REQUEST_STATUS.get(row.status, "pending")
             request_totals[bucket] += max(unfinished, 0)
         for status, count in job_counts.items():
             jobs.add_metric([status], count)
@@ -136,4 +129,5 @@ class LatencyMiddleware:
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
-            API_LATENCY.labels(path, scope.get("method", ""), str(status)).observe(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            API_LATENCY.labels(path, scope.get("method", ""), str(status)).observe(elapsed)

@@ -65,31 +65,25 @@ class LocalBackend:
                metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
                completion_window: str | None) -> dict[str, Any]:
         """Ingest `path` as a job and announce its shards when a broker is configured."""
-        from batchinfer.store.jobs import JobError, submit_job
+        from batchinfer.store.errors import JobError  # a bad argument (window, metadata, on_invalid, ...)
+        from workers.dispatch import submit_and_announce
 
         with self.sessions() as session:
             try:
-                job = submit_job(session, path=path, model=model, owner=LOCAL_OWNER, shard_size=shard_size,
-                                 priority=priority, metadata=metadata, idempotency_key=idempotency_key,
-                                 on_invalid=on_invalid, completion_window=completion_window)  # type: ignore[arg-type]
+                job = submit_and_announce(session=session, settings=self.settings, path=path, model=model,
+                                          owner=LOCAL_OWNER, shard_size=shard_size, priority=priority,
+                                          metadata=metadata, idempotency_key=idempotency_key,
+                                          on_invalid=on_invalid, completion_window=completion_window)
             except JobError as exc:
                 raise BackendError(str(exc)) from None
-            batch = self._batch(job)
-        if self.settings.broker_url and batch["status"] == "in_progress":
-            from workers.dispatch import dispatch_job
-
-            dispatch_job(job_id=job.id, settings=self.settings)
-        return batch
+            return self._batch(job)
 
     def get(self, batch_id: str) -> dict[str, Any]:
         """The batch object of one job."""
-        from batchinfer.store.jobs import JobError, get_job
+        from batchinfer.store.jobs import get_job
 
         with self.sessions() as session:
-            try:
-                job = get_job(session, job_id=self._job_id(batch_id), owner=LOCAL_OWNER)
-            except JobError as exc:
-                raise BackendError(str(exc)) from None
+            job = get_job(session, job_id=self._job_id(batch_id), owner=LOCAL_OWNER)
             if job is None:
                 raise BackendError(f"batch {batch_id} not found")
             return self._batch(job)
@@ -99,23 +93,27 @@ class LocalBackend:
         from batchinfer.store.jobs import list_jobs
 
         with self.sessions() as session:
-            jobs = list_jobs(session, owner=LOCAL_OWNER, after=self._job_id(after) if after else None, limit=limit)
+            after_id = self._job_id(after) if after else None
+            jobs = list_jobs(session, owner=LOCAL_OWNER, after=after_id, limit=limit)
             return [self._batch(job) for job in jobs]
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         """Cancel a job; finished results are kept."""
-        from batchinfer.store.jobs import JobError, cancel_job
+        from batchinfer.store.errors import JobNotFound, JobStateError
+        from batchinfer.store.jobs import cancel_job
 
         with self.sessions() as session:
             try:
                 job = cancel_job(session, job_id=self._job_id(batch_id), owner=LOCAL_OWNER)
-            except JobError as exc:
+            except JobNotFound:
+                raise BackendError(f"batch {batch_id} not found") from None
+            except JobStateError as exc:
                 raise BackendError(str(exc)) from None
             return self._batch(job)
 
     def results(self, batch_id: str, kind: str) -> Iterator[bytes]:
         """The output (kind="output") or error (kind="errors") lines, in input order."""
-        from batchinfer.store.jobs import export_results
+        from batchinfer.store.export import export_results
 
         job_id = self._job_id(batch_id)
         self.get(batch_id)  # raises when the job does not exist

@@ -21,7 +21,6 @@ from batchinfer.cli.progress import JobProgress
 from batchinfer.config import get_settings
 
 EXIT_ERROR, EXIT_PARTIAL, EXIT_FAILED, EXIT_CANCELLED, EXIT_EXPIRED, EXIT_TIMEOUT = 1, 3, 4, 5, 6, 7
-TERMINAL = {"completed", "failed", "cancelled", "expired"}
 
 
 def exit_code_for(batch: dict[str, Any]) -> int:
@@ -99,11 +98,13 @@ def _export(backend: Any, batch_id: str, output: Path | None, errors: Path | Non
 
 
 def _wait(backend: Any, batch: dict[str, Any], *, timeout: float | None, quiet: bool) -> dict[str, Any]:
+    from batchinfer.store.models import JOB_TERMINAL_STATUSES  # lazily, like every store import of the CLI
+
     counts = batch["request_counts"]
     deadline = time.monotonic() + timeout if timeout else None
-    with JobProgress(total=counts["total"], done=counts["completed"] + counts["failed"], description="waiting",
-                     enabled=not quiet) as bar:
-        while batch["status"] not in TERMINAL:
+    with JobProgress(total=counts["total"], done=counts["completed"] + counts["failed"],
+                     description="waiting", enabled=not quiet) as bar:
+        while batch["status"] not in JOB_TERMINAL_STATUSES:
             if deadline is not None and time.monotonic() > deadline:
                 click.echo(f"timed out waiting for {batch['id']} ({batch['status']})", err=True)
                 sys.exit(EXIT_TIMEOUT)
@@ -116,11 +117,13 @@ def _wait(backend: Any, batch: dict[str, Any], *, timeout: float | None, quiet: 
 
 
 submit_options = [
-    click.option("--model", "-m", default=None, help="Model name, alias or path (default: settings.default_model)."),
+    click.option("--model", "-m", default=None,
+                 help="Model name, alias or path (default: settings.default_model)."),
     click.option("--shard-size", type=click.IntRange(min=1), default=None, help="Requests per shard."),
     click.option("--priority", type=int, default=0, show_default=True, help="Lower runs first."),
     click.option("--metadata", multiple=True, metavar="KEY=VALUE", help="Attach metadata (repeatable)."),
-    click.option("--idempotency-key", default=None, help="A retried submit with this key returns the same job."),
+    click.option("--idempotency-key", default=None,
+                 help="A retried submit with this key returns the same job."),
     click.option("--on-invalid", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
                  help="skip: a bad line becomes an errored request; fail: the whole job fails (OpenAI)."),
     click.option("--completion-window", default=None, help="e.g. 24h (default: settings.completion_window)."),
@@ -136,7 +139,8 @@ def _with_submit_options(func: Any) -> Any:
 @click.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @_with_submit_options
-@click.option("--wait", is_flag=True, help="Wait for the job to end (progress bar); exit code says how it ended.")
+@click.option("--wait", is_flag=True,
+              help="Wait for the job to end (progress bar); exit code says how it ended.")
 @click.option("--timeout", type=float, default=None, help="With --wait: give up after this many seconds.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --wait: write the results here.")
@@ -151,8 +155,9 @@ def submit(file: Path, model: str | None, shard_size: int | None, priority: int,
     try:
         backend = backend_for(settings)
         batch = backend.submit(file, model=model or settings.default_model, shard_size=shard_size,
-                               priority=priority, metadata=_metadata(metadata), idempotency_key=idempotency_key,
-                               on_invalid=on_invalid, completion_window=completion_window)
+                               priority=priority, metadata=_metadata(metadata),
+                               idempotency_key=idempotency_key, on_invalid=on_invalid,
+                               completion_window=completion_window)
         if wait:
             batch = _wait(backend, batch, timeout=timeout, quiet=as_json)
             if output is not None:
@@ -203,8 +208,8 @@ def results(batch_id: str, output: Path | None, errors: Path | None) -> None:
     except BackendError as exc:
         _fail(str(exc))
     if output is not None:
-        click.echo(f"wrote {written} results to {output}" + (f", {failed} errors to {errors}" if errors else ""),
-                   err=True)
+        click.echo(f"wrote {written} results to {output}"
+                   + (f", {failed} errors to {errors}" if errors else ""), err=True)
 
 
 @click.command()
@@ -229,12 +234,12 @@ def cancel(batch_id: str, as_json: bool) -> None:
 @click.option("--device", default=None, help="cpu, cuda, cuda:N (default: settings.device).")
 @click.option("--show", type=int, default=0, help="Print the first N results when done.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final batch object as JSON.")
-def run(file: Path, output: Path, errors: Path | None, model: str | None, shard_size: int | None, priority: int,
-        metadata: tuple[str, ...], idempotency_key: str | None, on_invalid: str, completion_window: str | None,
-        device: str | None, show: int, as_json: bool) -> None:
+def run(file: Path, output: Path, errors: Path | None, model: str | None, shard_size: int | None,
+        priority: int, metadata: tuple[str, ...], idempotency_key: str | None, on_invalid: str,
+        completion_window: str | None, device: str | None, show: int, as_json: bool) -> None:
     """Run a JSONL file end to end in this process: submit, infer, export (no broker needed)."""
     from batchinfer.cli.backend import LocalBackend
-    from workers.local import make_runner, run_job
+    from workers.process import make_runner, run_job
 
     settings = get_settings()
     model = model or settings.default_model
@@ -248,7 +253,8 @@ def run(file: Path, output: Path, errors: Path | None, model: str | None, shard_
         _fail(str(exc))
     if batch["status"] == "in_progress":
         if not as_json:
-            click.echo(f"{batch['id']}: {batch['request_counts']['total']} requests; loading {model} ...", err=True)
+            click.echo(f"{batch['id']}: {batch['request_counts']['total']} requests; loading {model} ...",
+                       err=True)
         overrides = {"device": device} if device else {}
         runner = make_runner(model=model, settings=settings, **overrides)
         counts = batch["request_counts"]
@@ -261,7 +267,8 @@ def run(file: Path, output: Path, errors: Path | None, model: str | None, shard_
         click.echo(orjson.dumps(batch).decode())
     else:
         _print_batch(batch, False)
-        click.echo(f"results: {output} ({written} lines)" + (f"; errors: {errors} ({failed} lines)" if failed else ""))
+        click.echo(f"results: {output} ({written} lines)"
+                   + (f"; errors: {errors} ({failed} lines)" if failed else ""))
         _show(output, show)
     sys.exit(exit_code_for(batch))
 
@@ -275,5 +282,6 @@ def _show(path: Path, count: int) -> None:
             body = line["response"]["body"]
             choice = body["choices"][0]
             text = choice["message"]["content"] if "message" in choice else choice["text"]
-            click.echo(f"--- {line['custom_id']} ({choice['finish_reason']}, {body['usage']['completion_tokens']} tokens)")
+            tokens = body["usage"]["completion_tokens"]
+            click.echo(f"--- {line['custom_id']} ({choice['finish_reason']}, {tokens} tokens)")
             click.echo(text.strip())

@@ -1,4 +1,4 @@
-"""`batchinfer schedule ...` (nightly pipelines) and `batchinfer scheduler` (the tick loop without a broker)."""
+"""`batchinfer schedule ...` (nightly pipelines) and `batchinfer scheduler` (the tick loop, no broker)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def _describe(schedule: Any) -> dict[str, Any]:
 
 
 def _params(pairs: tuple[str, ...]) -> dict[str, Any] | None:
+    """The --param KEY=VALUE defaults (VALUE read as JSON, else as a string), checked as a line's fields."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
@@ -49,12 +50,12 @@ def _params(pairs: tuple[str, ...]) -> dict[str, Any] | None:
         except orjson.JSONDecodeError:
             out[key] = raw
     if out:
-        from batchinfer.engine.sampling_params import SamplingParams
+        from batchinfer.formats import LineError, check_sampling_fields
 
         try:
-            SamplingParams(**{k: v for k, v in out.items() if k != "max_completion_tokens"})
-        except (TypeError, ValueError) as exc:
-            raise click.BadParameter(str(exc), param_hint="--param") from None
+            check_sampling_fields(out)
+        except LineError as exc:
+            raise click.BadParameter(f"{exc.param}: {exc.message}", param_hint="--param") from None
     return out or None
 
 
@@ -66,15 +67,18 @@ def schedule() -> None:
 @schedule.command("add")
 @click.argument("name")
 @click.option("--cron", required=True, help="Cron expression, e.g. '0 2 * * *' (02:00 every day).")
-@click.option("--timezone", "--tz", "timezone", default="UTC", show_default=True, help="IANA timezone of the cron.")
+@click.option("--timezone", "--tz", "timezone", default="UTC", show_default=True,
+              help="IANA timezone of the cron.")
 @click.option("--input", "input_template", required=True,
               help="Input path template, e.g. 'data/{date:%Y-%m-%d}/prompts.jsonl' (globs allowed).")
 @click.option("--output", "output_template", default=None, help="Results path template.")
 @click.option("--errors", "errors_template", default=None, help="Error lines path template.")
 @click.option("--model", "-m", default=None, help="Model (default: settings.default_model).")
-@click.option("--param", multiple=True, metavar="KEY=VALUE", help="Default sampling field for lines without it.")
+@click.option("--param", multiple=True, metavar="KEY=VALUE",
+              help="Default sampling field for lines without it.")
 @click.option("--webhook", "webhook_url", default=None, help="URL to POST when a run ends.")
-@click.option("--webhook-secret", default=None, help="HMAC-SHA256 secret for the X-Batchinfer-Signature header.")
+@click.option("--webhook-secret", default=None,
+              help="HMAC-SHA256 secret for the X-Batchinfer-Signature header.")
 @click.option("--catchup", type=click.Choice(["latest", "all", "none"]), default="latest", show_default=True,
               help="After downtime: run the newest missed slot, every missed slot, or none.")
 def add(name: str, cron: str, timezone: str, input_template: str, output_template: str | None,
@@ -85,8 +89,9 @@ def add(name: str, cron: str, timezone: str, input_template: str, output_templat
 
     with _sessions()() as session:
         try:
-            created = add_schedule(session, name=name, cron=cron, timezone=timezone, input_template=input_template,
-                                   output_template=output_template, errors_template=errors_template,
+            created = add_schedule(session, name=name, cron=cron, timezone=timezone,
+                                   input_template=input_template, output_template=output_template,
+                                   errors_template=errors_template,
                                    model=model or get_settings().default_model, params=_params(param),
                                    webhook_url=webhook_url, webhook_secret=webhook_secret, catchup=catchup)
         except ScheduleError as exc:
@@ -108,7 +113,8 @@ def list_(as_json: bool) -> None:
                 click.echo(orjson.dumps(info).decode())
             else:
                 state = "enabled" if info["enabled"] else "paused"
-                click.echo(f"{info['name']}  {info['cron']} ({info['timezone']})  {state}  next {info['next_run']}")
+                click.echo(f"{info['name']}  {info['cron']} ({info['timezone']})  {state}  "
+                           f"next {info['next_run']}")
 
 
 @schedule.command("show")
@@ -134,7 +140,8 @@ def show(name: str, as_json: bool) -> None:
         if key != "runs":
             click.echo(f"{key:12} {value}")
     for run in info["runs"]:
-        click.echo(f"  {run['slot']}  {run['status']:<9}  {run['job'] or '-'}  {run['error'] or run['output'] or ''}")
+        detail = run["error"] or run["output"] or ""
+        click.echo(f"  {run['slot']}  {run['status']:<9}  {run['job'] or '-'}  {detail}")
 
 
 def _toggle(name: str, enabled: bool) -> None:
@@ -181,7 +188,7 @@ def remove(name: str) -> None:
 def run_now_cmd(name: str) -> None:
     """Start a run now, outside the cron slots."""
     from batchinfer.store.schedules import ScheduleError
-    from workers.scheduling import run_now
+    from workers.cron import run_now
 
     _sessions()
     try:
@@ -197,7 +204,7 @@ def run_now_cmd(name: str) -> None:
 @click.option("--interval", type=float, default=60.0, show_default=True, help="Seconds between ticks.")
 def scheduler(interval: float) -> None:
     """Run the schedule tick in this process (no broker needed); Ctrl-C to stop."""
-    from workers.scheduling import scheduler_loop
+    from workers.cron import scheduler_loop
 
     _sessions()
     stop = threading.Event()

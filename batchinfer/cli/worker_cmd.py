@@ -1,4 +1,4 @@
-"""`batchinfer worker` (one per GPU), `batchinfer workers` (who is alive), `batchinfer beat`, `batchinfer rescue`."""
+"""`batchinfer worker` (one per GPU), `batchinfer workers` (who is alive), `batchinfer beat` and `rescue`."""
 
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ def _setup_logging(level: str) -> None:
 
 
 @click.command()
-@click.option("--model", "-m", default=None, help="The model this worker serves (default: settings.default_model).")
+@click.option("--model", "-m", default=None,
+              help="The model this worker serves (default: settings.default_model).")
 @click.option("--device", default=None, help="cpu, cuda, cuda:N (default: settings.device).")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None, help="GPUs per engine.")
 @click.option("--log-level", default="info", show_default=True)
 def worker(model: str | None, device: str | None, tensor_parallel_size: int | None, log_level: str) -> None:
     """Run a long-lived worker: Celery on the model's queue with a broker, else poll the database."""
-    import workers.local as local
+    import workers.process as process
     from batchinfer.cli.backend import LocalBackend
 
     _setup_logging(log_level)
@@ -40,25 +41,26 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
         overrides["device"] = device
     if tensor_parallel_size:
         overrides["tensor_parallel_size"] = tensor_parallel_size
-    local.process_model = model
-    local.process_engine_overrides = overrides
+    process.process_model = model
+    process.process_engine_overrides = overrides
     if settings.broker_url:
         import os
 
-        from workers.celery_app import get_app, queue_name
+        from workers.app import queue_name
+        from workers.celery_app import worker_app
         from workers.dispatch import rescue_and_redispatch
 
-        app = get_app()
+        app = worker_app()
         _say_rescued(rescue_and_redispatch(app=app, settings=settings))
         # The solo pool runs tasks in this process (no fork): load the engine (and register the worker) now,
         # so "ready" means ready and the first shard does not wait for the model.
-        local.process_worker()
+        process.process_worker()
         node = f"batchinfer-{os.path.basename(model)}-{os.getpid()}@%h"
         app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_name(model), "-n", node,
                          f"--loglevel={log_level.upper()}", "--without-gossip", "--without-mingle"])
         return
 
-    _say_rescued(local.rescue_once(settings))
+    _say_rescued(process.rescue_once(settings))
     stop = threading.Event()
 
     def _stop(signum: int, _frame: object) -> None:
@@ -68,7 +70,7 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     click.echo(f"worker for {model}: polling {settings.public_dict()['database_url']} (no broker)", err=True)
-    local.poll_forever(local.make_runner(model=model, settings=settings, **overrides), stop=stop)
+    process.poll_forever(process.make_runner(model=model, settings=settings, **overrides), stop=stop)
 
 
 @click.command("workers")
@@ -77,7 +79,7 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
 def workers_(include_dead: bool, as_json: bool) -> None:
     """List live workers and the shards they hold."""
     from batchinfer.cli.backend import LocalBackend
-    from batchinfer.store.shards import list_workers
+    from batchinfer.store.workers import list_workers
 
     backend = LocalBackend(get_settings())
     with backend.sessions() as session:
@@ -103,21 +105,21 @@ def beat(log_level: str) -> None:
         click.echo("error: beat needs a broker (BATCHINFER_BROKER_URL); without one `batchinfer worker` "
                    "rescues on its own", err=True)
         sys.exit(1)
-    from workers.celery_app import get_app
+    from workers.celery_app import worker_app
 
-    get_app().start(["beat", f"--loglevel={log_level.upper()}"])
+    worker_app().start(["beat", f"--loglevel={log_level.upper()}"])
 
 
 @click.command()
 def rescue() -> None:
     """Return shards whose lease expired to the queue now (or fail them after max attempts)."""
     from batchinfer.cli.backend import LocalBackend
-    from workers.local import rescue_once
+    from workers.process import rescue_once
 
     settings = get_settings()
     LocalBackend(settings)
     if settings.broker_url:
-        from workers.celery_app import get_app
+        from workers.app import get_app
         from workers.dispatch import rescue_and_redispatch
 
         report = rescue_and_redispatch(app=get_app(), settings=settings)

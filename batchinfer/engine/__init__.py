@@ -8,13 +8,17 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
+# public name -> the module defining it, imported on first use (PEP 562)
 _EXPORTS = {
-    "CompletionOutput": "batchinfer.engine.llm_engine",
+    "CompletionOutput": "batchinfer.engine.outputs",
     "Engine": "batchinfer.engine.llm_engine",
     "EngineConfig": "batchinfer.engine.config",
-    "EngineStats": "batchinfer.engine.llm_engine",
-    "LLM": "batchinfer.engine.llm_engine",
-    "RequestOutput": "batchinfer.engine.llm_engine",
+    "EngineStats": "batchinfer.engine.metrics",
+    "LLM": "batchinfer.engine.llm",
+    "Logprob": "batchinfer.engine.outputs",
+    "ModelRunnerProtocol": "batchinfer.engine.runner_protocol",
+    "RequestOutput": "batchinfer.engine.outputs",
+    "ResolvedModel": "batchinfer.engine.resolved_model",
     "SamplingParams": "batchinfer.engine.sampling_params",
 }
 

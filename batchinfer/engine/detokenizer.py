@@ -88,7 +88,8 @@ class IncrementalDetokenizer:
             token_id = token_ids[prefix_offset]
             prefix_text = self._token_texts.get(token_id)
             if prefix_text is None:
-                prefix_text = self._token_texts[token_id] = backend.decode([token_id], skip_special_tokens=skip)
+                prefix_text = backend.decode([token_id], skip_special_tokens=skip)
+                self._token_texts[token_id] = prefix_text
             full_text = backend.decode(token_ids[prefix_offset:], skip_special_tokens=skip)
             if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
                 return None  # nothing printable yet: keep the offsets and wait for more tokens

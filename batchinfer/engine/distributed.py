@@ -52,10 +52,6 @@ class CommStats:
     broadcast_s: float = 0.0
     broadcast_calls: int = 0
 
-    def reset(self) -> None:
-        """Zero every figure."""
-        self.__init__()  # type: ignore[misc]
-
 
 COMM_STATS = CommStats()
 
@@ -202,9 +198,8 @@ class StepChannel:
         token_at = block_at = 0
         for i in range(num_seqs):
             begin, num_new, nb = meta[3 * i : 3 * i + 3]
-            seq = StepSequence(
-                _TokenWindow(begin, tokens[token_at : token_at + num_new]), begin, blocks[block_at : block_at + nb]
-            )
+            window = _TokenWindow(begin, tokens[token_at : token_at + num_new])
+            seq = StepSequence(window, begin, blocks[block_at : block_at + nb])
             scheduled.append((seq, num_new))
             token_at += num_new
             block_at += nb
@@ -237,7 +232,7 @@ class _TokenWindow:
 
 @dataclass
 class StepSequence:
-    """The Sequence fields the model runner reads (shared contract 2), rebuilt on a worker."""
+    """The Sequence fields the model runner reads (ARCHITECTURE.md, contract 2), rebuilt on a worker."""
 
     token_ids: Any
     num_computed_tokens: int

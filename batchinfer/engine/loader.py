@@ -57,19 +57,23 @@ def resolve_model_path(name_or_path: str | os.PathLike[str]) -> Path:
         return _checked_hf_dir(path)
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"model {name!r} is a file but not a .gguf; pass a model directory or a .gguf file")
+            raise ValueError(
+                f"model {name!r} is a file but not a .gguf; pass a model directory or a .gguf file"
+            )
         return _convert_gguf_file(path)
     if _HUB_ID.match(name) and not name.startswith(("./", "../")):
         return _from_hf_cache(name)
     raise ModelNotFoundError(
-        f"model {name!r} not found: pass a local model directory (config.json + *.safetensors), a .gguf file, "
-        f"or an alias ({', '.join(sorted(ALIASES))})"
+        f"model {name!r} not found: pass a local model directory (config.json + *.safetensors), "
+        f"a .gguf file, or an alias ({', '.join(sorted(ALIASES))})"
     )
 
 
 def _checked_hf_dir(path: Path) -> Path:
     if not (path / "config.json").is_file():
-        raise ValueError(f"model directory {path} has no config.json; it must be a Hugging Face model directory")
+        raise ValueError(
+            f"model directory {path} has no config.json; it must be a Hugging Face model directory"
+        )
     if not _safetensors_files(path):
         hint = " (found PyTorch .bin weights: re-save with save_pretrained(safe_serialization=True))" if any(
             path.glob("*.bin")) else ""
@@ -84,9 +88,9 @@ def _from_hf_cache(repo_id: str) -> Path:
         local = Path(snapshot_download(repo_id, local_files_only=True))
     except Exception as exc:  # LocalEntryNotFoundError, or huggingface_hub missing
         raise ModelNotFoundError(
-            f"model {repo_id!r} looks like a Hugging Face hub id, but hub downloads are not available here and it "
-            f"is not in the local Hugging Face cache; download it where there is network access and pass its "
-            f"directory, or use an alias ({', '.join(sorted(ALIASES))})"
+            f"model {repo_id!r} looks like a Hugging Face hub id, but hub downloads are not available here "
+            f"and it is not in the local Hugging Face cache; download it where there is network access and "
+            f"pass its directory, or use an alias ({', '.join(sorted(ALIASES))})"
         ) from exc
     return _checked_hf_dir(local)
 
@@ -167,7 +171,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except ValueError as exc:
         if "accelerate" in str(exc):
-            raise RuntimeError(f"converting {gguf.name} needs the `accelerate` package: pip install accelerate") from exc
+            raise RuntimeError(
+                f"converting {gguf.name} needs the `accelerate` package: pip install accelerate"
+            ) from exc
         raise
     # The weights are dequantized now; drop the GGUF quantizer so save_pretrained writes plain tensors.
     model.hf_quantizer = None
@@ -203,7 +209,9 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 

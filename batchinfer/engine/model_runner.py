@@ -1,6 +1,6 @@
 """ModelRunner: owns the model and its paged KV cache; turns a scheduled batch into logits.
 
-One step (shared contract 3): for each (seq, n) the tokens seq.token_ids[c : c + n] (c =
+One step (ARCHITECTURE.md, contract 3): for each (seq, n) the tokens seq.token_ids[c : c + n] (c =
 seq.num_computed_tokens) run at positions c .. c + n - 1; their K/V go to the cache slots of
 seq.block_table; every query attends causally to all earlier positions of its sequence. The runner
 packs all sequences' tokens into one flat batch and builds, once per step, the layout tensors the
@@ -31,10 +31,12 @@ import torch
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.distributed import all_reduce_min_int
 from batchinfer.engine.layers import cpu_attention
-from batchinfer.engine.layers.attention import Attention, build_torch_plan
+from batchinfer.engine.layers.attention import Attention
+from batchinfer.engine.layers.attention_plan import build_torch_plan
 from batchinfer.engine.layers.context import AttentionContext, set_context
-from batchinfer.engine.loader import load_hf_config, load_weights, resolve_model_path
+from batchinfer.engine.loader import load_weights
 from batchinfer.engine.models import get_model_class
+from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +86,18 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
 class ModelRunner:
     """Loads the model, allocates the KV cache, and runs one scheduled step at a time."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: ResolvedModel | None = None) -> None:
+        """model: resolved by the Engine; None resolves config.model here (a runner on its own)."""
+        if model is None:
+            model = resolve_model(config, with_tokenizer=False)
         self.config = config
         self.device = torch.device(config.resolved_device())
         self.dtype = config.resolved_dtype()
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
-        self.model_path = resolve_model_path(config.model)
-        self.hf_config = load_hf_config(self.model_path)
-        self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
+        self.model_path = model.path
+        self.hf_config = model.hf_config
+        self.max_model_len = model.max_model_len
         self.block_size = config.block_size
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
@@ -124,12 +129,15 @@ class ModelRunner:
         self.num_kv_blocks = all_reduce_min_int(self.num_kv_blocks, self.device)
         if self.num_kv_blocks < 1:
             raise ValueError(
-                f"the KV cache budget holds no block of {self.block_bytes} bytes; raise kv_cache_memory_bytes "
-                "(CPU), gpu_memory_utilization (CUDA) or set num_kv_blocks"
+                f"the KV cache budget holds no block of {self.block_bytes} bytes; raise "
+                "kv_cache_memory_bytes (CPU), gpu_memory_utilization (CUDA) or set num_kv_blocks"
             )
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
             self._capture_cudagraphs()
+
+    def close(self) -> None:
+        """Nothing outlives a step on one rank (ModelRunnerProtocol's close)."""
 
     # --- KV cache -------------------------------------------------------------------------------------
 
@@ -148,7 +156,7 @@ class ModelRunner:
         return cache
 
     def _profile_num_kv_blocks(self) -> int:
-        """Blocks that fit in gpu_memory_utilization after the weights and a max_num_batched_tokens forward."""
+        """Blocks that fit in gpu_memory_utilization after the weights and a max_num_batched_tokens step."""
         config = self.config
         num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens))
         seq_len = min(self.max_model_len, max(1, config.max_num_batched_tokens // num_seqs))
@@ -190,15 +198,15 @@ class ModelRunner:
             end = start + num_new
             if num_new < 1 or end > len(seq.token_ids):
                 raise ValueError(
-                    f"scheduled {num_new} tokens from position {start} of a sequence with {len(seq.token_ids)} "
-                    "tokens: need 1 <= n <= len(token_ids) - num_computed_tokens"
+                    f"scheduled {num_new} tokens from position {start} of a sequence with "
+                    f"{len(seq.token_ids)} tokens: need 1 <= n <= len(token_ids) - num_computed_tokens"
                 )
             if end > self.max_model_len:
                 raise ValueError(f"sequence reaches position {end} > max_model_len {self.max_model_len}")
             if len(seq.block_table) * bs < end:
                 raise ValueError(
-                    f"block_table holds {len(seq.block_table)} blocks ({len(seq.block_table) * bs} slots) but the "
-                    f"step needs {end} positions; the block manager must allocate before the step"
+                    f"block_table holds {len(seq.block_table)} blocks ({len(seq.block_table) * bs} slots) "
+                    f"but the step needs {end} positions; the block manager must allocate before the step"
                 )
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -283,7 +291,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_cudagraphs(self) -> None:
-        """Capture decode steps (one token per sequence) for each ladder batch size, sharing one memory pool."""
+        """Capture decode steps (one token per sequence) per ladder batch size, sharing one memory pool."""
         max_bs = self.config.max_num_seqs
         hidden_size = self.hf_config.hidden_size
         device = self.device

@@ -13,6 +13,7 @@ Unseeded rows share one generator seeded from EngineConfig.seed.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,9 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: AbstractSet[int]
+    ) -> SamplerOutput:
         """Sample the next token of every sequence; row i of `logits` belongs to seqs[i]."""
         params = [seq.params for seq in seqs]
         logits = logits.float()
@@ -176,7 +179,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _min_tokens_bans(seqs: list[Sequence], eos: set[int]) -> tuple[list[int], list[int]]:
+def _min_tokens_bans(seqs: list[Sequence], eos: AbstractSet[int]) -> tuple[list[int], list[int]]:
     """(rows, token ids) to mask: EOS and stop token ids of sequences still short of min_tokens."""
     rows: list[int] = []
     cols: list[int] = []

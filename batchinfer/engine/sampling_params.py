@@ -1,21 +1,36 @@
 """SamplingParams: per-request sampling settings with vLLM's field names and semantics.
 
-Pure Python (no torch): the API and the ingest path validate request bodies with it.
+Pure Python (no torch, imports nothing heavy): the ingest path builds one per request and stores it
+with `to_dict`; the worker rebuilds it with `from_dict`. Construction is the only validation.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs ceiling
 GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
 
-@dataclass
+class SamplingParamsError(ValueError):
+    """A sampling field holds a value it cannot take; str() is "field: message" (the engine's error style)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field  # the vLLM field name
+        self.message = message  # the rule and the value given, without the field name
+
+
+@dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request's completions (vLLM names; see field comments for semantics)."""
+    """How to sample one request's completions (vLLM names; see field comments for semantics).
+
+    Frozen: built and validated once, then shared (ingest reuses one per distinct set of body fields).
+    """
 
     n: int = 1  # completions per prompt; they share the prompt's KV blocks through the prefix cache
     presence_penalty: float = 0.0  # OpenAI: subtract once per token id present in the output so far
@@ -40,34 +55,56 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = _float_field(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name}: must be in [-2, 2]; got {value}")
+                raise SamplingParamsError(name, f"must be in [-2, 2]; got {value}")
         if _float_field("repetition_penalty", self.repetition_penalty) <= 0:
-            raise ValueError(f"repetition_penalty: must be > 0; got {self.repetition_penalty}")
+            raise SamplingParamsError("repetition_penalty", f"must be > 0; got {self.repetition_penalty}")
         if _float_field("temperature", self.temperature) < 0:
-            raise ValueError(f"temperature: must be >= 0 (0 = greedy); got {self.temperature}")
+            raise SamplingParamsError("temperature", f"must be >= 0 (0 = greedy); got {self.temperature}")
         if not 0 < _float_field("top_p", self.top_p) <= 1:
-            raise ValueError(f"top_p: must be in (0, 1]; got {self.top_p}")
+            raise SamplingParamsError("top_p", f"must be in (0, 1]; got {self.top_p}")
         _int_field("top_k", self.top_k, minimum=-1)
-        if self.top_k == -1:
-            self.top_k = 0  # vLLM accepts -1 as "disabled"
         if not 0 <= _float_field("min_p", self.min_p) <= 1:
-            raise ValueError(f"min_p: must be in [0, 1]; got {self.min_p}")
+            raise SamplingParamsError("min_p", f"must be in [0, 1]; got {self.min_p}")
         if self.seed is not None:
             _int_field("seed", self.seed, minimum=None)
-        self.stop = _normalize_stop(self.stop)
-        self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+        _check_stop(self.stop)
+        _check_stop_token_ids(self.stop_token_ids)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: must be true or false; got {getattr(self, name)!r}")
+                raise SamplingParamsError(name, f"must be true or false; got {getattr(self, name)!r}")
         if self.max_tokens is not None:
             _int_field("max_tokens", self.max_tokens, minimum=1)
         _int_field("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens: must be <= max_tokens ({self.max_tokens}); got {self.min_tokens}")
+            raise SamplingParamsError("min_tokens",
+                                      f"must be <= max_tokens ({self.max_tokens}); got {self.min_tokens}")
         if self.logprobs is not None:
             _int_field("logprobs", self.logprobs, minimum=0)
             if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs: must be <= {MAX_LOGPROBS}; got {self.logprobs}")
+                raise SamplingParamsError("logprobs", f"must be <= {MAX_LOGPROBS}; got {self.logprobs}")
+        _normalize(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
+        """The params `to_dict` stored, rebuilt without validating again (they were checked when first built).
+
+        Also reads rows stored before to_dict existed: those hold the body's fields as given (a lone stop
+        string, null lists, top_k -1), which construction's own normalization turns into the same object.
+        """
+        unknown = data.keys() - _DEFAULTS.keys()
+        if unknown:
+            raise TypeError(f"stored sampling params have unknown fields {sorted(unknown)}")
+        params = object.__new__(cls)
+        values = params.__dict__  # frozen only guards __setattr__; this is how dataclass init writes too
+        values.update(_DEFAULTS)
+        values.update(data)
+        _normalize(values)
+        return params
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields that differ from the defaults, by vLLM name: the JSON the requests table stores."""
+        values = self.__dict__
+        return {name: values[name] for name, default in _DEFAULTS.items() if values[name] != default}
 
     @property
     def is_greedy(self) -> bool:
@@ -90,36 +127,47 @@ class SamplingParams:
         return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def _normalize(values: dict[str, Any]) -> None:
+    """Canonical forms of already valid values, in place: stop lists always lists, top_k -1 (vLLM) is 0."""
+    stop = values["stop"]
+    values["stop"] = [stop] if isinstance(stop, str) else list(stop or ())
+    values["stop_token_ids"] = list(values["stop_token_ids"] or ())
+    if values["top_k"] == -1:
+        values["top_k"] = 0
+
+
 def _int_field(name: str, value: object, *, minimum: int | None) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name}: must be an integer; got {value!r}")
+        raise SamplingParamsError(name, f"must be an integer; got {value!r}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}; got {value}")
+        raise SamplingParamsError(name, f"must be >= {minimum}; got {value}")
     return value
 
 
 def _float_field(name: str, value: object) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{name}: must be a finite number; got {value!r}")
+        raise SamplingParamsError(name, f"must be a finite number; got {value!r}")
     return float(value)
 
 
-def _normalize_stop(stop: object) -> list[str]:
+def _check_stop(stop: object) -> None:
     if stop is None:
-        return []
+        return
     items = [stop] if isinstance(stop, str) else stop
     if not isinstance(items, list | tuple) or not all(isinstance(s, str) for s in items):
-        raise ValueError(f"stop: must be a string or a list of strings; got {stop!r}")
+        raise SamplingParamsError("stop", f"must be a string or a list of strings; got {stop!r}")
     if any(s == "" for s in items):
-        raise ValueError("stop: stop strings must not be empty")
-    return list(items)
+        raise SamplingParamsError("stop", "stop strings must not be empty")
 
 
-def _normalize_stop_token_ids(ids: object) -> list[int]:
+def _check_stop_token_ids(ids: object) -> None:
     if ids is None:
-        return []
+        return
     if not isinstance(ids, list | tuple) or not all(
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
     ):
-        raise ValueError(f"stop_token_ids: must be a list of non-negative integers; got {ids!r}")
-    return list(ids)
+        raise SamplingParamsError("stop_token_ids", f"must be a list of non-negative integers; got {ids!r}")
+
+
+_DEFAULTS: dict[str, Any] = {field.name: field.default for field in fields(SamplingParams)}
+_normalize(_DEFAULTS)

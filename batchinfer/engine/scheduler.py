@@ -139,7 +139,6 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.preempted.appendleft(seq)
 

@@ -1,14 +1,16 @@
-"""Sequence: the state of one completion (one of a request's n) as it moves through the engine.
+"""Sequence: the state of one completion (one of a request's n) as it moves through the engine;
+SequenceGroup: a request's n sequences, which share its prompt.
 
-The model runner reads three fields (brief, contract 2): `token_ids` (prompt + generated so far),
-`num_computed_tokens` (tokens whose K/V is in the cache) and `block_table` (physical block ids; block i
-holds positions [i * block_size, (i + 1) * block_size)).
+The model runner reads three fields of a sequence and nothing else (ARCHITECTURE.md, contract 2):
+`token_ids` (prompt + generated so far), `num_computed_tokens` (tokens whose K/V is in the cache) and
+`block_table` (physical block ids; block i holds positions [i * block_size, (i + 1) * block_size)).
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 from batchinfer.engine.sampling_params import SamplingParams
@@ -100,7 +102,6 @@ class Sequence:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.generator: Any = None  # torch.Generator for seeded sampling, created by the sampler
         self.detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
-        self.num_preemptions = 0
 
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
@@ -139,6 +140,18 @@ class Sequence:
         """True once the sequence reached a FINISHED_* status."""
         return self.status.is_finished
 
-    def append_token(self, token_id: int) -> None:
-        """Append one sampled token."""
-        self.token_ids.append(token_id)
+
+@dataclass
+class SequenceGroup:
+    """One request as the engine tracks it: its prompt and its n sequences (vLLM's SequenceGroup)."""
+
+    request_id: str
+    prompt: str | None  # the text, when the prompt was given as text
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float
+
+    @property
+    def is_finished(self) -> bool:
+        """True once every sequence has finished."""
+        return all(seq.is_finished for seq in self.seqs)

@@ -7,8 +7,9 @@ over its own slices and a loop that waits for the next step on the StepChannel a
 0 publishes the step layout, then runs its own forward; the ranks meet in the collectives of the layers
 (one all-reduce per o_proj / down_proj and the embedding, one gather of the vocab shards of the logits).
 
-Startup order: rank 0 validates the size, starts the workers, joins the process group (which waits for
-every worker to join), then builds its ModelRunner; ModelRunner's KV sizing takes the minimum block
+Startup order: rank 0 validates the size, starts the workers (each is handed the model the Engine
+resolved, so no rank resolves it again), joins the process group (which waits for every worker to
+join), then builds its ModelRunner; ModelRunner's KV sizing takes the minimum block
 count over the ranks (a collective), so every rank's KV shard holds the same block ids.
 
 Shutdown: close() (Engine.close / LLM.close, and atexit) sends an exit command, joins the workers (then
@@ -30,8 +31,8 @@ import torch
 
 from batchinfer.engine import distributed
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.loader import load_hf_config, resolve_model_path
 from batchinfer.engine.model_runner import ModelRunner
+from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ JOIN_TIMEOUT_S = 30.0
 
 
 def check_tensor_parallel_size(tp_size: int, hf_config: Any, device: str) -> None:
-    """Raise ValueError naming tensor_parallel_size when the model or the machine cannot be split tp_size ways."""
+    """Raise ValueError naming tensor_parallel_size when the model or machine cannot be split tp_size ways."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     intermediate = hf_config.intermediate_size
@@ -59,8 +60,8 @@ def check_tensor_parallel_size(tp_size: int, hf_config: Any, device: str) -> Non
         count = torch.cuda.device_count()
         if first + tp_size > count:
             raise ValueError(
-                f"tensor_parallel_size: {tp_size} needs CUDA devices cuda:{first}..cuda:{first + tp_size - 1}, "
-                f"but {count} are visible; lower tensor_parallel_size or set device"
+                f"tensor_parallel_size: {tp_size} needs CUDA devices cuda:{first}..cuda:{first + tp_size - 1}"
+                f", but {count} are visible; lower tensor_parallel_size or set device"
             )
 
 
@@ -92,7 +93,10 @@ def _threads_per_rank(tp_size: int) -> int:
 class TensorParallelRunner:
     """Drop-in for ModelRunner (same attributes and execute_model) that runs the model on N ranks."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: ResolvedModel | None = None) -> None:
+        """model: resolved by the Engine (None resolves config.model here); the workers get it too."""
+        if model is None:
+            model = resolve_model(config, with_tokenizer=False)
         self.closed = False
         self.runner: ModelRunner | None = None
         self.workers: list[Any] = []
@@ -100,9 +104,7 @@ class TensorParallelRunner:
         self._joined = False
         tp_size = config.tensor_parallel_size
         device = config.resolved_device()
-        hf_config = load_hf_config(resolve_model_path(config.model))
-        check_tensor_parallel_size(tp_size, hf_config, device)
-        max_model_len = config.max_model_len or hf_config.max_position_embeddings
+        check_tensor_parallel_size(tp_size, model.hf_config, device)
         backend = "nccl" if device.startswith("cuda") else "gloo"
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._threads_before = torch.get_num_threads()
@@ -111,13 +113,15 @@ class TensorParallelRunner:
         events = [ctx.Event() for _ in range(tp_size - 1)]
         atexit.register(self.close)
         try:
-            self.channel = distributed.StepChannel(_step_capacity_words(config, max_model_len), events)
+            capacity = _step_capacity_words(config, model.max_model_len)
+            self.channel = distributed.StepChannel(capacity, events)
+            worker_model = model.without_tokenizer()  # pickled to each worker: it only runs the model
             for rank in range(1, tp_size):
                 rank_config = dataclasses.replace(config, device=rank_device(device, rank))
                 process = ctx.Process(
                     target=_worker_main,
-                    args=(rank_config, rank, tp_size, backend, init_method, self.channel.name, events[rank - 1],
-                          threads),
+                    args=(rank_config, worker_model, rank, tp_size, backend, init_method, self.channel.name,
+                          events[rank - 1], threads),
                     name=f"batchinfer-tp-rank{rank}",
                     daemon=True,
                 )
@@ -127,17 +131,32 @@ class TensorParallelRunner:
                 torch.set_num_threads(threads)
             distributed.init_tensor_parallel(0, tp_size, backend=backend, init_method=init_method)
             self._joined = True
-            self.runner = ModelRunner(dataclasses.replace(config, device=rank_device(device, 0)))
+            self.runner = ModelRunner(dataclasses.replace(config, device=rank_device(device, 0)), model)
         except BaseException:
             self.close()
             raise
 
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks of every rank's KV shard (ModelRunner sized them as the minimum over the ranks)."""
+        return self._rank0().num_kv_blocks
+
+    @property
+    def device(self) -> torch.device:
+        """Rank 0's device, where the gathered logits come back."""
+        return self._rank0().device
+
     def __getattr__(self, name: str) -> Any:
-        # Everything else (num_kv_blocks, device, dtype, hf_config, ...) is rank 0's ModelRunner's.
+        # Everything else (dtype, hf_config, max_model_len, ...) is rank 0's ModelRunner's.
         runner = self.__dict__.get("runner")
         if runner is None:
             raise AttributeError(name)
         return getattr(runner, name)
+
+    def _rank0(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("the tensor-parallel runner is closed")
+        return self.runner
 
     def execute_model(self, scheduled: list[tuple[Any, int]]) -> torch.Tensor:
         """Publish the step to the workers, run rank 0's share; float32 logits as ModelRunner's."""
@@ -174,6 +193,7 @@ class TensorParallelRunner:
 
 def _worker_main(
     config: EngineConfig,
+    model: ResolvedModel,
     rank: int,
     world_size: int,
     backend: str,
@@ -191,12 +211,13 @@ def _worker_main(
     distributed.init_tensor_parallel(rank, world_size, backend=backend, init_method=init_method)
     channel = distributed.StepChannel(0, [], name=shm_name)
     try:
-        runner = ModelRunner(config)
+        runner = ModelRunner(config, model)
         while (scheduled := channel.receive(event)) is not None:
             try:
                 runner.execute_model(scheduled)
             except ValueError:
-                # A malformed step fails the same check on rank 0 before any collective: skip it, stay in step.
+                # A malformed step fails the same check on rank 0 before any collective: skip it, stay
+                # in step.
                 logger.exception("step rejected")
     finally:
         channel.close()

@@ -47,7 +47,8 @@ def create_key(session: Session, *, name: str, owner: str | None = None) -> tupl
     if not owner or len(owner) > 128:
         raise ValueError("owner must be 1 to 128 characters")
     plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
-    row = ApiKey(owner=owner, name=name, key_hash=hash_key(plaintext), prefix=plaintext[:DISPLAY_PREFIX_CHARS])
+    row = ApiKey(owner=owner, name=name, key_hash=hash_key(plaintext),
+                 prefix=plaintext[:DISPLAY_PREFIX_CHARS])
     with write_transaction(session):
         session.add(row)
     return plaintext, row

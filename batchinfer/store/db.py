@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -107,6 +107,12 @@ def end_transaction(session: Session) -> None:
     """
     if session.in_transaction():
         session.commit()
+
+
+def ping(session: Session) -> None:
+    """One trivial round trip (readiness probes); raises SQLAlchemyError when the database is unreachable."""
+    session.execute(text("SELECT 1"))
+    end_transaction(session)
 
 
 def alembic_config(url: str):  # noqa: ANN201 - alembic is imported lazily

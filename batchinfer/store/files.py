@@ -80,7 +80,8 @@ class UploadWriter:
         end = self._head.find(b"\n")
         if end < 0:
             if len(self._head) > self.max_line_bytes:
-                raise InvalidFile(f"line 1 is longer than {self.max_line_bytes} bytes (settings.max_line_bytes)")
+                raise InvalidFile(f"line 1 is longer than {self.max_line_bytes} bytes "
+                                  "(settings.max_line_bytes)")
             return
         _check_json_object(self._head[:end])
         self._head_checked = True

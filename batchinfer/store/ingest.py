@@ -32,6 +32,7 @@ from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from batchinfer.config import Settings
 from batchinfer.formats import ENDPOINT_TO_URL, URL_TO_ENDPOINT, Endpoint, LineError, parse_line
 from batchinfer.store.models import (
     LINE_BITS,
@@ -57,6 +58,11 @@ class IngestLimits:
     max_line_bytes: int = 1 << 20
     max_requests: int = 5_000_000
     max_metadata_bytes: int = 16 * 1024
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> IngestLimits:
+        """The limits the settings configure (max_line_bytes, max_requests_per_job, max_metadata_bytes)."""
+        return cls(settings.max_line_bytes, settings.max_requests_per_job, settings.max_metadata_bytes)
 
 
 @dataclass
@@ -119,7 +125,8 @@ def iter_lines(stream: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, byt
             yield from ((n, b"", "blank") for n in blank_run)
             blank_run.clear()
         if len(content) > max_line_bytes:
-            yield line_number, b"", f"oversized line ({len(content)} bytes; max_line_bytes is {max_line_bytes})"
+            yield (line_number, b"",
+                   f"oversized line ({len(content)} bytes; max_line_bytes is {max_line_bytes})")
             continue
         yield line_number, content, None
 
@@ -307,8 +314,8 @@ def ingest_file(engine: Engine, *, job_id: int, stream: BinaryIO, limits: Ingest
     try:
         for line_number, content, problem in iter_lines(stream, limits.max_line_bytes):
             if queued + len(rows) >= limits.max_requests or line_number >> LINE_BITS:
-                result.fatal = (f"the file has more than {limits.max_requests} requests (max_requests_per_job); "
-                                "split it into several files")
+                result.fatal = (f"the file has more than {limits.max_requests} requests "
+                                "(max_requests_per_job); split it into several files")
                 break
             if problem is not None:
                 bad(line_number, problem + ("; remove it" if problem == "blank" else ""),
@@ -321,13 +328,15 @@ def ingest_file(engine: Engine, *, job_id: int, stream: BinaryIO, limits: Ingest
                 else:
                     if required is None or request.endpoint is required:
                         rows.append((base_id | line_number, job_id, line_number, request.custom_id, pending,
-                                     _ENDPOINT_VALUE[request.endpoint], dumps(request.payload()).decode(), None, None))
+                                     _ENDPOINT_VALUE[request.endpoint], dumps(request.payload()).decode(),
+                                     None, None))
                         add_key(prefix_key(request.prefix_text()))
                         add_line(line_number)
                         result.valid += 1
                     else:
                         bad(line_number, f"url {ENDPOINT_TO_URL[request.endpoint]} does not match the batch "
-                            f"endpoint {endpoint}; every line must use it", "invalid_url", "url", request.custom_id)
+                            f"endpoint {endpoint}; every line must use it", "invalid_url", "url",
+                            request.custom_id)
             if stop_after_errors is not None and result.invalid >= stop_after_errors:
                 break
             if len(rows) >= chunk_rows:
@@ -356,7 +365,7 @@ def _count_duplicates(result: IngestResult, duplicates: list[_Duplicate]) -> Non
 
 def make_shards(session: Session, *, job_id: int, result: IngestResult, shard_size: int, model: str,
                 priority: int, max_attempts: int) -> int:
-    """Cut the job's valid requests into shards of `shard_size` in (prefix key, line) order; returns the count.
+    """Cut the job's valid requests into shards of `shard_size` in (prefix key, line) order; returns how many.
 
     A stable argsort of the keys collected at ingest (lines are already ascending, so ties keep input
     order). Runs in the caller's transaction (no commit).
@@ -373,8 +382,8 @@ def make_shards(session: Session, *, job_id: int, result: IngestResult, shard_si
     ordered = lines[np.argsort(keys, kind="stable")].astype("<u4")
     now = utcnow()
     shards = [{"job_id": job_id, "ordinal": ordinal, "model": model, "priority": priority,
-               "status": ShardStatus.AVAILABLE.value, "num_requests": len(part), "request_lines": part.tobytes(),
-               "attempt": 0, "max_attempts": max_attempts, "created_at": now}
+               "status": ShardStatus.AVAILABLE.value, "num_requests": len(part),
+               "request_lines": part.tobytes(), "attempt": 0, "max_attempts": max_attempts, "created_at": now}
               for ordinal, part in enumerate(ordered[start:start + shard_size]
                                              for start in range(0, len(ordered), shard_size))]
     for start in range(0, len(shards), 1000):

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import sys
 from array import array
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
     JSON,
     BigInteger,
-    DateTime,
     ForeignKey,
     Index,
     Integer,
@@ -37,50 +36,18 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
-    TypeDecorator,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from batchinfer.store.columns import BigId, UTCDateTime, utcnow
 
-def utcnow() -> datetime:
-    """The current time, timezone-aware UTC (what every timestamp column stores)."""
-    return datetime.now(UTC)
-
-
-class UTCDateTime(TypeDecorator):
-    """Timezone-aware UTC datetimes on both databases (SQLite has no timezone type: stored naive UTC)."""
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is None:
-            return None
-        if value.tzinfo is None:
-            raise ValueError(f"naive datetime {value!r}: pass a timezone-aware UTC datetime")
-        value = value.astimezone(UTC)
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
-
-    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is None:
-            return None
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
-# SQLite's rowid alias must be spelled INTEGER PRIMARY KEY (64-bit anyway); PostgreSQL gets BIGINT.
-BigId = BigInteger().with_variant(Integer(), "sqlite")
 LINE_BITS = 32
 
 
 def request_id_for(job_id: int, line_number: int) -> int:
     """The primary key of a job's request: job_id << 32 | line_number (see the module docstring)."""
     return (job_id << LINE_BITS) | line_number
-
-
-def request_id_range(job_id: int) -> tuple[int, int]:
-    """The (lowest, highest) request id a job can have."""
-    return job_id << LINE_BITS, (job_id << LINE_BITS) | ((1 << LINE_BITS) - 1)
 
 
 class JobStatus(StrEnum):
@@ -102,7 +69,19 @@ class JobStatus(StrEnum):
     CANCELLED = "cancelled"
 
 
-JOB_TERMINAL = (JobStatus.FAILED, JobStatus.COMPLETED, JobStatus.EXPIRED, JobStatus.CANCELLED)
+# Each status set is defined here once and imported. StrEnum members hash and compare as their string
+# values, so `"completed" in JOB_TERMINAL_STATUSES` holds for the raw strings of the REST API too.
+JOB_TERMINAL_STATUSES: frozenset[JobStatus] = frozenset(
+    {JobStatus.FAILED, JobStatus.COMPLETED, JobStatus.EXPIRED, JobStatus.CANCELLED})
+"""Final: the job's results no longer change (its output and error files can be offered)."""
+JOB_LIVE_STATUSES: frozenset[JobStatus] = frozenset(set(JobStatus) - JOB_TERMINAL_STATUSES)
+"""Not final yet: what expiry can still stop."""
+JOB_CANCELLABLE_STATUSES: frozenset[JobStatus] = frozenset(
+    {JobStatus.VALIDATING, JobStatus.IN_PROGRESS, JobStatus.FINALIZING})
+"""What cancel can stop (cancelling / cancelled are answered as they are)."""
+JOB_FINISHING_STATUSES: frozenset[JobStatus] = frozenset(
+    {JobStatus.IN_PROGRESS, JobStatus.FINALIZING, JobStatus.CANCELLING})
+"""States that end by themselves once no shard is open (finalize_if_done)."""
 
 
 class RequestStatus(StrEnum):
@@ -116,6 +95,11 @@ class RequestStatus(StrEnum):
     EXPIRED = "expired"
 
 
+REQUEST_NOT_RUN_STATUSES: frozenset[RequestStatus] = frozenset(
+    {RequestStatus.CANCELED, RequestStatus.EXPIRED})
+"""A request its job stopped before a worker ran it."""
+
+
 class ShardStatus(StrEnum):
     """available -> running (claimed: lease_owner/lease_token/lease_expires_at set, attempt += 1)
     running -> available (released, or lease expired with attempts left)
@@ -127,6 +111,10 @@ class ShardStatus(StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
     CANCELLED = "cancelled"
+
+
+SHARD_OPEN_STATUSES: frozenset[ShardStatus] = frozenset({ShardStatus.AVAILABLE, ShardStatus.RUNNING})
+"""A shard in one of these still holds its job open."""
 
 
 class Base(DeclarativeBase):
@@ -215,7 +203,8 @@ class Job(Base):
     @property
     def request_counts(self) -> dict[str, int]:
         """OpenAI `request_counts`."""
-        return {"total": self.total_requests, "completed": self.completed_requests, "failed": self.failed_requests}
+        return {"total": self.total_requests, "completed": self.completed_requests,
+                "failed": self.failed_requests}
 
     @property
     def usage(self) -> dict[str, Any]:
@@ -240,7 +229,7 @@ class Shard(Base):
     priority: Mapped[int] = mapped_column(Integer, default=0)  # copied from the job
     status: Mapped[str] = mapped_column(String(16), default=ShardStatus.AVAILABLE)
     num_requests: Mapped[int] = mapped_column(Integer)
-    request_lines: Mapped[bytes] = mapped_column(LargeBinary)  # encode_lines(): uint32 LE, in run order
+    request_lines: Mapped[bytes] = mapped_column(LargeBinary)  # uint32 LE (see decode_lines), in run order
 
     attempt: Mapped[int] = mapped_column(Integer, default=0)  # claims so far (a release gives one back)
     max_attempts: Mapped[int] = mapped_column(Integer, default=3)
@@ -263,27 +252,14 @@ class Shard(Base):
     )
 
     @property
-    def line_numbers(self) -> list[int]:
-        """The input lines of this shard's requests, in run order."""
-        return decode_lines(self.request_lines)
-
-    @property
     def request_ids(self) -> list[int]:
         """The primary keys of this shard's requests, in run order."""
         base = request_id_for(self.job_id, 0)
         return [base | line for line in decode_lines(self.request_lines)]
 
 
-def encode_lines(lines: Any) -> bytes:
-    """Line numbers -> bytes (uint32 little-endian), as Shard.request_lines stores them."""
-    packed = array("I", lines)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
 def decode_lines(data: bytes) -> list[int]:
-    """The inverse of encode_lines."""
+    """Shard.request_lines (uint32 little-endian, as ingest.make_shards writes them) -> line numbers."""
     packed = array("I")
     packed.frombytes(data)
     if sys.byteorder == "big":
@@ -349,7 +325,7 @@ class ApiKey(Base):
 
 
 class ScheduleRunStatus(StrEnum):
-    """pending (slot claimed) -> submitted (job created) -> completed | failed (outputs written, or no input)."""
+    """pending (slot claimed) -> submitted (job created) -> completed | failed (outputs out, or no input)."""
 
     PENDING = "pending"
     SUBMITTED = "submitted"

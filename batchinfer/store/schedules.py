@@ -33,11 +33,13 @@ def validate_schedule(*, cron: str, timezone: str, catchup: str, input_template:
                       output_template: str | None) -> None:
     """Raise ScheduleError naming the field when a schedule definition is not usable."""
     if not croniter.is_valid(cron):
-        raise ScheduleError(f"cron: {cron!r} is not a valid cron expression (e.g. '0 2 * * *' for 02:00 daily)")
+        raise ScheduleError(f"cron: {cron!r} is not a valid cron expression "
+                            "(e.g. '0 2 * * *' for 02:00 daily)")
     try:
         ZoneInfo(timezone)
     except (ZoneInfoNotFoundError, ValueError):
-        raise ScheduleError(f"timezone: {timezone!r} is unknown; use an IANA name like 'Europe/Rome'") from None
+        raise ScheduleError(f"timezone: {timezone!r} is unknown; use an IANA name like 'Europe/Rome'") \
+            from None
     if catchup not in CATCHUP_POLICIES:
         raise ScheduleError(f"catchup: must be one of {', '.join(CATCHUP_POLICIES)}, got {catchup!r}")
     for field, template in (("input", input_template), ("output", output_template)):
@@ -56,9 +58,10 @@ def render_template(template: str, slot_local: datetime, *, name: str) -> str:
 
 
 def add_schedule(session: Session, *, name: str, cron: str, input_template: str, model: str,
-                 timezone: str = "UTC", output_template: str | None = None, errors_template: str | None = None,
-                 params: dict[str, Any] | None = None, webhook_url: str | None = None,
-                 webhook_secret: str | None = None, catchup: str = "latest", owner: str = "",
+                 timezone: str = "UTC", output_template: str | None = None,
+                 errors_template: str | None = None, params: dict[str, Any] | None = None,
+                 webhook_url: str | None = None, webhook_secret: str | None = None, catchup: str = "latest",
+                 owner: str = "",
                  now: datetime | None = None) -> Schedule:
     """Create an enabled schedule; its first slot is the first cron time after `now`."""
     validate_schedule(cron=cron, timezone=timezone, catchup=catchup, input_template=input_template,
@@ -142,7 +145,8 @@ def due_slots(schedule: Schedule, *, now: datetime) -> tuple[list[datetime], dat
     return slots, latest
 
 
-def claim_slot(session: Session, *, schedule: Schedule, slot_at: datetime, manual: bool = False) -> ScheduleRun | None:
+def claim_slot(session: Session, *, schedule: Schedule, slot_at: datetime,
+               manual: bool = False) -> ScheduleRun | None:
     """Insert the run for (schedule, slot) and advance last_slot_at; None if another tick already did."""
     run = ScheduleRun(schedule_id=schedule.id, slot_at=slot_at, status=ScheduleRunStatus.PENDING,
                       manual=manual, created_at=utcnow())
@@ -150,7 +154,8 @@ def claim_slot(session: Session, *, schedule: Schedule, slot_at: datetime, manua
         with write_transaction(session):
             session.add(run)
             current = session.get(Schedule, schedule.id, populate_existing=True)
-            if current is not None and not manual and (current.last_slot_at is None or slot_at > current.last_slot_at):
+            if current is not None and not manual and (current.last_slot_at is None
+                                                       or slot_at > current.last_slot_at):
                 current.last_slot_at = slot_at
     except IntegrityError:
         return None
@@ -215,5 +220,6 @@ def record_webhook_attempt(session: Session, *, delivery_id: int, ok: bool, erro
             if delivery.attempts >= max_attempts:
                 delivery.gave_up_at = now
             else:
-                delivery.next_attempt_at = now + timedelta(seconds=base_delay_s * 2 ** (delivery.attempts - 1))
+                backoff_s = base_delay_s * 2 ** (delivery.attempts - 1)
+                delivery.next_attempt_at = now + timedelta(seconds=backoff_s)
     return delivery

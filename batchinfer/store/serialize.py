@@ -15,15 +15,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from batchinfer.store.models import File, Job, JobStatus
+from batchinfer.store.models import JOB_TERMINAL_STATUSES, File, Job, JobStatus
 
 OUTPUT_FILE_PREFIX = "file-out-"
 ERROR_FILE_PREFIX = "file-err-"
 _BATCH_ID = re.compile(r"batch_([1-9][0-9]{0,17})")
 _FILE_ID = re.compile(r"file-(?:(out|err)-)?([1-9][0-9]{0,17})")
 
-# Statuses after which the job's results no longer change, so its output files can be offered.
-_RESULT_STATUSES = frozenset({JobStatus.COMPLETED, JobStatus.CANCELLED, JobStatus.EXPIRED, JobStatus.FAILED})
 
 FileKind = Literal["input", "output", "error"]
 
@@ -53,14 +51,14 @@ def parse_file_id(file_id: str) -> FileRef | None:
 
 def output_file_id(job: Job) -> str | None:
     """The id of the job's output file: set once the job is done and some request succeeded."""
-    if job.status in _RESULT_STATUSES and job.completed_requests > 0:
+    if job.status in JOB_TERMINAL_STATUSES and job.completed_requests > 0:
         return f"{OUTPUT_FILE_PREFIX}{job.id}"
     return None
 
 
 def error_file_id(job: Job) -> str | None:
     """The id of the job's error file: set once the job is done and some request failed."""
-    if job.status in _RESULT_STATUSES and job.failed_requests > 0:
+    if job.status in JOB_TERMINAL_STATUSES and job.failed_requests > 0:
         return f"{ERROR_FILE_PREFIX}{job.id}"
     return None
 
@@ -73,15 +71,17 @@ def epoch(value: datetime | None) -> int | None:
 def _progress(job: Job, now: datetime) -> dict[str, Any]:
     done = job.completed_requests + job.failed_requests
     total = job.total_requests
-    fraction = min(1.0, done / total) if total else (1.0 if job.status in _RESULT_STATUSES else 0.0)
+    fraction = min(1.0, done / total) if total else (1.0 if job.status in JOB_TERMINAL_STATUSES else 0.0)
     tokens_per_second = eta_seconds = None
     if job.in_progress_at is not None:
-        end = job.finalizing_at or job.completed_at or job.cancelled_at or job.expired_at or job.failed_at or now
+        end = (job.finalizing_at or job.completed_at or job.cancelled_at or job.expired_at or job.failed_at
+               or now)
         elapsed = max((end - job.in_progress_at).total_seconds(), 1e-6)
         tokens_per_second = round(job.completion_tokens / elapsed, 2)
         if job.status == JobStatus.IN_PROGRESS and 0 < done < total:
             eta_seconds = round(elapsed * (total - done) / done, 1)
-    return {"fraction": round(fraction, 4), "tokens_per_second": tokens_per_second, "eta_seconds": eta_seconds}
+    return {"fraction": round(fraction, 4), "tokens_per_second": tokens_per_second,
+            "eta_seconds": eta_seconds}
 
 
 def batch_object(job: Job, *, now: datetime | None = None) -> dict[str, Any]:
@@ -92,7 +92,8 @@ def batch_object(job: Job, *, now: datetime | None = None) -> dict[str, Any]:
         errors = {
             "object": "list",
             "data": [
-                {"code": e.get("code"), "line": e.get("line"), "message": e.get("message"), "param": e.get("param")}
+                {"code": e.get("code"), "line": e.get("line"), "message": e.get("message"),
+                 "param": e.get("param")}
                 for e in job.errors
             ],
         }

@@ -1,9 +1,10 @@
-"""Shard leases: claim, heartbeat, write results, complete / fail / release, rescue; the worker registry.
+"""Shard leases: claim, heartbeat, write results, complete / fail / release, rescue.
 
-Every function leaves the session with no open transaction. A worker owns a shard only through its lease token. Every write names the token and runs in one
-transaction that first re-reads the shard under a lock (PostgreSQL: `FOR UPDATE`; SQLite: the whole
-transaction is `BEGIN IMMEDIATE`), so a worker whose lease was rescued and handed to another (a
-zombie) writes nothing: the token no longer matches and LeaseLost is raised.
+Every function leaves the session with no open transaction. A worker owns a shard only through its
+lease token. Every write names the token and runs in one transaction that first re-reads the shard
+under a lock (transitions.lock_shard), so a worker whose lease was rescued and handed to another (a
+zombie) writes nothing: the token no longer matches and LeaseLost is raised. The worker registry is
+in workers.py.
 
 Attempts: `attempt` counts claims. A release gives the attempt back; an expired lease (rescue) or
 a fail_shard spends it; the shard fails with `worker_lost` / the worker's error once `max_attempts`
@@ -21,15 +22,14 @@ import orjson
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from batchinfer.engine.sampling_params import SamplingParams
 from batchinfer.store.db import end_transaction, is_sqlite, write_transaction
-from batchinfer.store.jobs import apply_results, finalize_if_done
-from batchinfer.store.models import Job, JobStatus, Request, RequestStatus, Shard, ShardStatus, Worker, utcnow
+from batchinfer.store.errors import LeaseLost
+from batchinfer.store.models import Job, JobStatus, Request, RequestStatus, Shard, ShardStatus, utcnow
+from batchinfer.store.results import apply_results
+from batchinfer.store.transitions import finalize_if_done, lock_job, lock_shard
 
 RESCUE_LOCK_KEY = 0x6261746368  # pg advisory lock id: "batch"
-
-
-class LeaseLost(RuntimeError):
-    """The shard's lease token no longer matches: another worker (or the rescuer) owns the shard now."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class ShardLease:
 
 @dataclass(frozen=True)
 class PendingRequest:
-    """A request still to run: messages (chat) or prompt (completions) and vLLM sampling params."""
+    """A request still to run: messages (chat) or prompt (completions) and its sampling params."""
 
     request_id: int
     custom_id: str
@@ -54,7 +54,7 @@ class PendingRequest:
     endpoint: str  # "chat" | "completions"
     messages: list[dict[str, Any]] | None
     prompt: str | list[int] | None
-    params: dict[str, Any]
+    params: SamplingParams  # from_dict of what ingest stored: validated there, not again
 
 
 @dataclass
@@ -67,14 +67,8 @@ class RescueReport:
     skipped: bool = False  # another rescuer held the lock
 
 
-def _settings() -> Any:
-    from batchinfer.config import get_settings
-
-    return get_settings()
-
-
-def claim_shard(session: Session, *, worker_id: str, model: str | None = None, shard_id: int | None = None,
-                lease_seconds: float | None = None, now: datetime | None = None) -> ShardLease | None:
+def claim_shard(session: Session, *, worker_id: str, lease_seconds: float, model: str | None = None,
+                shard_id: int | None = None, now: datetime | None = None) -> ShardLease | None:
     """Lease the next available shard of `model` (lowest priority value, then oldest), or exactly `shard_id`.
 
     One UPDATE ... WHERE id = (SELECT ... FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING statement; None when
@@ -83,7 +77,7 @@ def claim_shard(session: Session, *, worker_id: str, model: str | None = None, s
     if model is None and shard_id is None:
         raise ValueError("claim_shard needs model= or shard_id=")
     now = now or utcnow()
-    expires = now + timedelta(seconds=lease_seconds or _settings().lease_seconds)
+    expires = now + timedelta(seconds=lease_seconds)
     token = secrets.token_hex(16)
     pick = select(Shard.id).where(Shard.status == ShardStatus.AVAILABLE)
     if model is not None:
@@ -94,7 +88,8 @@ def claim_shard(session: Session, *, worker_id: str, model: str | None = None, s
     claim = (update(Shard)
              .where(Shard.id == pick.scalar_subquery(), Shard.status == ShardStatus.AVAILABLE)
              .values(status=ShardStatus.RUNNING, attempt=Shard.attempt + 1, lease_owner=worker_id,
-                     lease_token=token, lease_expires_at=expires, started_at=func.coalesce(Shard.started_at, now))
+                     lease_token=token, lease_expires_at=expires,
+                     started_at=func.coalesce(Shard.started_at, now))
              .returning(Shard.id, Shard.job_id, Shard.attempt, Shard.num_requests)
              .execution_options(synchronize_session=False))
     with write_transaction(session):
@@ -105,12 +100,12 @@ def claim_shard(session: Session, *, worker_id: str, model: str | None = None, s
                       attempt=row.attempt, num_requests=row.num_requests)
 
 
-def heartbeat(session: Session, *, shard_id: int, lease_token: str, lease_seconds: float | None = None,
+def heartbeat(session: Session, *, shard_id: int, lease_token: str, lease_seconds: float,
               now: datetime | None = None) -> bool:
     """Extend the lease. False means stop working on the shard: the lease is lost, or the job is no longer
     in progress (cancelled, expired); abort its in-flight requests and call release_shard."""
     now = now or utcnow()
-    expires = now + timedelta(seconds=lease_seconds or _settings().lease_seconds)
+    expires = now + timedelta(seconds=lease_seconds)
     active_jobs = select(Job.id).where(Job.status == JobStatus.IN_PROGRESS)
     with write_transaction(session):
         result = session.execute(
@@ -137,7 +132,7 @@ def pending_requests(session: Session, *, shard_id: int) -> list[PendingRequest]
     for request_id, custom_id, line_number, endpoint, payload in rows:
         data = orjson.loads(payload)
         out.append(PendingRequest(request_id, custom_id, line_number, endpoint, data.get("messages"),
-                                  data.get("prompt"), data["params"]))
+                                  data.get("prompt"), SamplingParams.from_dict(data["params"])))
     return out
 
 
@@ -146,35 +141,16 @@ def _batches(ids: list[int], size: int = 5000) -> list[list[int]]:
     return [ids[start:start + size] for start in range(0, len(ids), size)]
 
 
-def _lock_shard(session: Session, shard_id: int, lease_token: str) -> Shard:
-    query = (select(Shard).where(Shard.id == shard_id, Shard.lease_token == lease_token,
-                                 Shard.status == ShardStatus.RUNNING)
-             .execution_options(populate_existing=True))
-    if not is_sqlite(session):
-        query = query.with_for_update()
-    shard = session.scalar(query)
-    if shard is None:
-        raise LeaseLost(f"shard {shard_id}: lease token no longer valid (rescued, released or finished)")
-    return shard
-
-
-def _job(session: Session, job_id: int) -> Job:
-    query = select(Job).where(Job.id == job_id).execution_options(populate_existing=True)
-    if not is_sqlite(session):
-        query = query.with_for_update()
-    return session.scalars(query).one()
-
-
 def write_results(session: Session, *, shard_id: int, lease_token: str, results: list[dict[str, Any]],
                   now: datetime | None = None) -> int:
-    """Record finished requests of the shard (fenced by the lease; see jobs.apply_results for the dicts).
+    """Record finished requests of the shard (fenced by the lease; results.apply_results has the dicts).
 
     Idempotent: only requests still pending change. Returns how many were recorded; raises LeaseLost.
     """
     now = now or utcnow()
     with write_transaction(session):
-        shard = _lock_shard(session, shard_id, lease_token)
-        job = _job(session, shard.job_id)
+        shard = lock_shard(session, shard_id, lease_token=lease_token)
+        job = lock_job(session, shard.job_id)
         return apply_results(session, job=job, results=results, shard=shard, now=now)
 
 
@@ -198,10 +174,10 @@ def complete_shard(session: Session, *, shard_id: int, lease_token: str, now: da
     """
     now = now or utcnow()
     with write_transaction(session):
-        shard = _lock_shard(session, shard_id, lease_token)
-        job = _job(session, shard.job_id)
-        _error_pending(session, shard, job, "missing_result", "the worker finished its shard without a result "
-                       "for this request", now)
+        shard = lock_shard(session, shard_id, lease_token=lease_token)
+        job = lock_job(session, shard.job_id)
+        _error_pending(session, shard, job, "missing_result",
+                       "the worker finished its shard without a result for this request", now)
         if job.status == JobStatus.IN_PROGRESS:
             shard.status, shard.completed_at = ShardStatus.COMPLETED, now
         else:
@@ -217,8 +193,8 @@ def fail_shard(session: Session, *, shard_id: int, lease_token: str, error: str,
     again; otherwise it fails and its pending requests are errored with `error`. Returns the shard status."""
     now = now or utcnow()
     with write_transaction(session):
-        shard = _lock_shard(session, shard_id, lease_token)
-        job = _job(session, shard.job_id)
+        shard = lock_shard(session, shard_id, lease_token=lease_token)
+        job = lock_job(session, shard.job_id)
         _retire(session, shard, job, code="shard_failed", message=error, retry=retry, now=now)
         finalize_if_done(session, job=job, now=now)
         return shard.status
@@ -232,8 +208,8 @@ def release_shard(session: Session, *, shard_id: int, lease_token: str, now: dat
     now = now or utcnow()
     try:
         with write_transaction(session):
-            shard = _lock_shard(session, shard_id, lease_token)
-            job = _job(session, shard.job_id)
+            shard = lock_shard(session, shard_id, lease_token=lease_token)
+            job = lock_job(session, shard.job_id)
             shard.attempt -= 1
             _retire(session, shard, job, code="", message="", retry=True, now=now)
             finalize_if_done(session, job=job, now=now)
@@ -265,7 +241,8 @@ def rescue_expired(session: Session, *, now: datetime | None = None) -> RescueRe
     now = now or utcnow()
     report = RescueReport()
     with write_transaction(session):
-        if not is_sqlite(session) and not session.scalar(select(func.pg_try_advisory_xact_lock(RESCUE_LOCK_KEY))):
+        single_flight = select(func.pg_try_advisory_xact_lock(RESCUE_LOCK_KEY))
+        if not is_sqlite(session) and not session.scalar(single_flight):
             report.skipped = True
             return report
         query = (select(Shard).where(Shard.status == ShardStatus.RUNNING, Shard.lease_expires_at < now)
@@ -276,7 +253,7 @@ def rescue_expired(session: Session, *, now: datetime | None = None) -> RescueRe
         for shard in session.scalars(query).all():
             job = jobs.get(shard.job_id)
             if job is None:
-                job = jobs[shard.job_id] = _job(session, shard.job_id)
+                job = jobs[shard.job_id] = lock_job(session, shard.job_id)
             lost = f"worker {shard.lease_owner} stopped heartbeating (lease expired)"
             _retire(session, shard, job, code="worker_lost", message=lost, retry=True, now=now)
             {ShardStatus.AVAILABLE: report.requeued, ShardStatus.FAILED: report.failed,
@@ -308,73 +285,8 @@ def available_shards_per_model(session: Session, *, limit_per_model: int) -> lis
 
 def shard_counts(session: Session, *, job_id: int) -> dict[str, int]:
     """Number of the job's shards in each status."""
-    rows = session.execute(select(Shard.status, func.count()).where(Shard.job_id == job_id).group_by(Shard.status))
+    rows = session.execute(select(Shard.status, func.count()).where(Shard.job_id == job_id)
+                           .group_by(Shard.status))
     counts = {status: count for status, count in rows}
     end_transaction(session)
     return counts
-
-
-# ---------------------------------------------------------------------------------------- worker registry
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """A registered worker, whether it heartbeated recently, and the shards it holds."""
-
-    worker_id: str
-    hostname: str
-    model: str
-    pid: int | None
-    started_at: datetime
-    last_heartbeat_at: datetime
-    live: bool
-    shard_ids: list[int]
-
-
-def register_worker(session: Session, *, worker_id: str, model: str, hostname: str = "", pid: int | None = None,
-                    info: dict[str, Any] | None = None, now: datetime | None = None) -> None:
-    """Record a worker starting (or restarting under the same id)."""
-    now = now or utcnow()
-    with write_transaction(session):
-        worker = session.get(Worker, worker_id, populate_existing=True)
-        if worker is None:
-            session.add(Worker(id=worker_id, model=model, hostname=hostname, pid=pid, info=info, started_at=now,
-                               last_heartbeat_at=now))
-        else:
-            worker.model, worker.hostname, worker.pid, worker.info = model, hostname, pid, info
-            worker.started_at, worker.last_heartbeat_at, worker.stopped_at = now, now, None
-
-
-def worker_heartbeat(session: Session, *, worker_id: str, now: datetime | None = None) -> bool:
-    """Mark the worker alive; False if it was never registered."""
-    with write_transaction(session):
-        result = session.execute(update(Worker).where(Worker.id == worker_id)
-                                 .values(last_heartbeat_at=now or utcnow())
-                                 .execution_options(synchronize_session=False))
-    return result.rowcount == 1
-
-
-def deregister_worker(session: Session, *, worker_id: str, now: datetime | None = None) -> None:
-    """Record a clean worker shutdown."""
-    with write_transaction(session):
-        session.execute(update(Worker).where(Worker.id == worker_id).values(stopped_at=now or utcnow())
-                        .execution_options(synchronize_session=False))
-
-
-def list_workers(session: Session, *, live_within_seconds: float = 60.0, include_dead: bool = False,
-                 now: datetime | None = None) -> list[WorkerInfo]:
-    """Workers with their running shards; live = heartbeat within `live_within_seconds` and not stopped."""
-    now = now or utcnow()
-    cutoff = now - timedelta(seconds=live_within_seconds)
-    held: dict[str, list[int]] = {}
-    for shard_id, owner in session.execute(select(Shard.id, Shard.lease_owner)
-                                           .where(Shard.status == ShardStatus.RUNNING).order_by(Shard.id)):
-        held.setdefault(owner, []).append(shard_id)
-    out = []
-    for worker in session.scalars(select(Worker).order_by(Worker.id)):
-        live = worker.stopped_at is None and worker.last_heartbeat_at >= cutoff
-        if live or include_dead:
-            out.append(WorkerInfo(worker.id, worker.hostname, worker.model, worker.pid, worker.started_at,
-                                  worker.last_heartbeat_at, live, held.get(worker.id, [])))
-    end_transaction(session)
-    return out

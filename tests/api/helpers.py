@@ -44,7 +44,8 @@ def serve(app: FastAPI) -> Iterator[str]:
 def chat_line(custom_id: str, content: str, *, max_tokens: int = 4, url: str = "/v1/chat/completions",
               **body: Any) -> bytes:
     """One OpenAI batch input line for the chat endpoint."""
-    payload = {"model": "any", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **body}
+    payload = {"model": "any", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+               **body}
     return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": payload})
 
 
@@ -93,6 +94,7 @@ class FixedOutputWorker:
                     result = {"request_id": request.request_id, "prompt_tokens": 3, "completion_tokens": 2,
                               "cached_tokens": 0,
                               "choices": [{"text": f"echo:{request.custom_id}", "finish_reason": "stop"}]}
-                    write_results(session, shard_id=lease.shard_id, lease_token=lease.lease_token, results=[result])
+                    write_results(session, shard_id=lease.shard_id, lease_token=lease.lease_token,
+                                  results=[result])
                     self.done_requests += 1
                 complete_shard(session, shard_id=lease.shard_id, lease_token=lease.lease_token)

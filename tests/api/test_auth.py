@@ -107,7 +107,9 @@ def test_other_owners_ids_are_404_like_unknown_ids(client, make_key, alice_objec
         assert "alice" not in response.text
         # Indistinguishable from an id that never existed (same message with the id swapped).
         unknown = path.replace(file_id, "file-987654").replace(batch_id, "batch_987654")
-        unknown_kwargs = {"json": {**kwargs["json"], "input_file_id": "file-987654"}} if "json" in kwargs else kwargs
+        unknown_kwargs = kwargs
+        if "json" in kwargs:
+            unknown_kwargs = {"json": {**kwargs["json"], "input_file_id": "file-987654"}}
         twin = client.request(method, unknown, headers=bearer(bob), **unknown_kwargs)
         assert twin.status_code == 404
         assert twin.json()["error"]["message"].replace("987654", "X") == \
@@ -147,7 +149,7 @@ def test_keys_are_stored_hashed_and_authenticate_to_their_owner(factory):
 
 
 def test_auth_disabled_only_on_loopback(tmp_path, sqlite_url):
-    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("[::1]") and is_loopback("localhost")
+    assert all(is_loopback(host) for host in ("127.0.0.1", "::1", "[::1]", "localhost"))
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5") and not is_loopback("example.com")
     for host in ("0.0.0.0", "192.168.1.10", "::"):
         with pytest.raises(UnsafeConfiguration, match="loopback"):
@@ -171,7 +173,8 @@ def test_auth_disabled_everything_belongs_to_local(tmp_path, sqlite_url):
             assert session.scalars(select(File.owner)).all() == ["local"]
 
 
-def test_poll_caches_bound_how_long_a_revoked_key_and_a_status_can_lag(client, factory, make_key, alice_objects):
+def test_poll_caches_bound_how_long_a_revoked_key_and_a_status_can_lag(client, factory, make_key,
+                                                                        alice_objects):
     from batchinfer.api.deps import AUTH_CACHE_TTL_S, STATUS_CACHE_TTL_S
     from batchinfer.store.jobs import cancel_job
     from batchinfer.store.serialize import parse_batch_id

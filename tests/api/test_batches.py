@@ -15,8 +15,9 @@ from tests.api.helpers import FixedOutputWorker, chat_line, completion_line, jso
 
 OPENAI_BATCH_KEYS = {
     "id", "object", "endpoint", "errors", "input_file_id", "completion_window", "status", "output_file_id",
-    "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
-    "expired_at", "cancelling_at", "cancelled_at", "request_counts", "metadata", "usage", "model",
+    "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
+    "failed_at", "expired_at", "cancelling_at", "cancelled_at", "request_counts", "metadata", "usage",
+    "model",
 }
 CHAT = "/v1/chat/completions"
 
@@ -214,7 +215,8 @@ def test_large_ingest_answers_validating_and_never_blocks_the_event_loop(api_set
     import httpx
 
     with serve(app) as base, httpx.Client(base_url=base, headers=auth, timeout=120) as http:
-        file_id = http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("big.jsonl", content)}).json()["id"]
+        file_id = http.post("/v1/files", data={"purpose": "batch"},
+                            files={"file": ("big.jsonl", content)}).json()["id"]
         body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
 
         # 1. The create request waits for ingest; meanwhile the server keeps answering polls.
@@ -256,7 +258,8 @@ def test_whole_flow_on_postgres(pg_url, tmp_path):
         key, _ = create_key(session, name="pg")
     auth = {"Authorization": f"Bearer {key}"}
     with TestClient(app) as client:
-        batch = create(client, auth, upload(client, auth, jsonl([chat_line(f"q{i}", "hi") for i in range(6)])))
+        file_id = upload(client, auth, jsonl([chat_line(f"q{i}", "hi") for i in range(6)]))
+        batch = create(client, auth, file_id)
         assert batch["status"] == "in_progress"
         with FixedOutputWorker(pg_factory, model=TEST_MODEL):
             done = wait_status(client, auth, batch["id"], {"completed"})

@@ -15,7 +15,8 @@ GOOD = jsonl([chat_line("a", "hello"), chat_line("b", "world")])
 def upload(client: TestClient, auth: dict[str, str], content: bytes, *, purpose: str | None = "batch",
            filename: str = "in.jsonl"):
     data = {"purpose": purpose} if purpose is not None else {}
-    return client.post("/v1/files", headers=auth, data=data, files={"file": (filename, content, "application/jsonl")})
+    return client.post("/v1/files", headers=auth, data=data,
+                       files={"file": (filename, content, "application/jsonl")})
 
 
 def assert_error(response, status: int, *, param: str | None = None, says: str = "") -> dict:
@@ -64,7 +65,8 @@ def test_too_large_upload_is_413_and_leaves_nothing(client, auth, api_settings: 
 def test_not_jsonl_is_400_naming_line_1(client, auth):
     assert_error(upload(client, auth, b"id,prompt\n1,hello\n"), 400, param="file", says="line 1")
     assert_error(upload(client, auth, b'[{"custom_id": "a"}]\n'), 400, param="file", says="not an object")
-    assert_error(upload(client, auth, b'{\n  "custom_id": "a"\n}\n'), 400, param="file", says="not valid JSON")
+    assert_error(upload(client, auth, b'{\n  "custom_id": "a"\n}\n'), 400, param="file",
+                 says="not valid JSON")
     assert_error(upload(client, auth, b"\x00\x01\x02binary"), 400, param="file", says="not JSONL")
 
 

@@ -75,7 +75,8 @@ def test_health_probes(client, tmp_path):
     down = create_app(make_settings(tmp_path, "postgresql+psycopg://postgres@127.0.0.1:1/nothing"))
     with TestClient(down) as down_client:
         response = down_client.get("/readyz")
-    assert response.status_code == 503 and response.json() == {"status": "unavailable", "database": "unreachable"}
+    assert response.status_code == 503
+    assert response.json() == {"status": "unavailable", "database": "unreachable"}
 
 
 def test_unexpected_errors_are_500_without_internals(app, auth):
@@ -87,12 +88,14 @@ def test_unexpected_errors_are_500_without_internals(app, auth):
         response = client.get("/boom")
     assert response.status_code == 500
     error = response.json()["error"]
-    assert error["type"] == "server_error" and "hunter2" not in response.text and "secret" not in response.text
+    assert error["type"] == "server_error"
+    assert "hunter2" not in response.text and "secret" not in response.text
 
 
 def test_framework_errors_use_the_openai_shape(client, auth):
     not_found = client.get("/v2/whatever", headers=auth)
-    assert not_found.status_code == 404 and set(not_found.json()["error"]) == {"message", "type", "param", "code"}
+    assert not_found.status_code == 404
+    assert set(not_found.json()["error"]) == {"message", "type", "param", "code"}
     wrong_method = client.put("/v1/batches", headers=auth)
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
     bad_query = client.get("/v1/batches", headers=auth, params={"limit": "many"})

@@ -12,6 +12,7 @@ import pytest
 
 from batchinfer.api.app import create_app
 from batchinfer.store.db import upgrade
+from batchinfer.store.models import JOB_TERMINAL_STATUSES
 from tests.api.conftest import make_settings
 from tests.api.helpers import chat_line, jsonl, serve
 
@@ -27,11 +28,12 @@ def live(tmp_path: Path, sqlite_url: str, tiny_llama: Path, make_key):
     threads: list[threading.Thread] = []
 
     def start_worker() -> None:
-        from workers.local import make_runner, poll_forever
+        from workers.process import make_runner, poll_forever
 
         runner = make_runner(model=str(tiny_llama), settings=settings)
-        thread = threading.Thread(target=poll_forever, args=(runner,), kwargs={"stop": stop, "max_backoff_s": 0.2},
-                                  daemon=True, name="local-worker")
+        thread = threading.Thread(target=poll_forever, args=(runner,),
+                                  kwargs={"stop": stop, "max_backoff_s": 0.2}, daemon=True,
+                                  name="local-worker")
         thread.start()
         threads.append(thread)
 
@@ -63,7 +65,7 @@ def test_openai_client_runs_the_whole_batch_flow_unchanged(live, tmp_path: Path)
 
     start_worker()
     deadline = time.monotonic() + 120
-    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
+    while (batch := client.batches.retrieve(batch.id)).status not in JOB_TERMINAL_STATUSES:
         assert time.monotonic() < deadline, f"batch stuck: {batch}"
         time.sleep(0.1)
     assert batch.status == "completed", batch.errors
@@ -82,7 +84,8 @@ def test_openai_client_runs_the_whole_batch_flow_unchanged(live, tmp_path: Path)
     for line in lines:
         body = line["response"]["body"]
         assert line["response"]["status_code"] == 200 and line["error"] is None
-        assert body["object"] == "chat.completion" and body["choices"][0]["finish_reason"] in ("stop", "length")
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
         assert isinstance(body["choices"][0]["message"]["content"], str)
         assert 0 < body["usage"]["completion_tokens"] <= 6
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
@@ -92,7 +95,8 @@ def test_openai_client_sees_openai_errors(live):
     base, key, _, _ = live
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
     with pytest.raises(openai.NotFoundError) as missing:
-        client.batches.create(input_file_id="file-31337", endpoint="/v1/chat/completions", completion_window="24h")
+        client.batches.create(input_file_id="file-31337", endpoint="/v1/chat/completions",
+                              completion_window="24h")
     assert missing.value.body["param"] == "input_file_id"
     with pytest.raises(openai.BadRequestError, match="only 'batch'"):
         client.files.create(file=("x.jsonl", b'{"prompt": "hi"}\n'), purpose="fine-tune")

@@ -38,7 +38,8 @@ def seeded_schema(api_settings):
         headers = {"Authorization": f"Bearer {key}"}
         file_id = client.post("/v1/files", headers=headers, data={"purpose": "batch"},
                               files={"file": ("in.jsonl", jsonl([chat_line("a", "hi")]))}).json()["id"]
-        client.post("/v1/batches", headers=headers, json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+        client.post("/v1/batches", headers=headers, json={"input_file_id": file_id,
+                                                          "endpoint": "/v1/chat/completions",
                                                           "completion_window": "24h"})
     return schemathesis.openapi.from_asgi("/openapi.json", app), key
 
@@ -56,8 +57,8 @@ def test_no_generated_request_causes_a_server_error(seeded_schema, method, path)
     with_key = {"Authorization": f"Bearer {key}"}
 
     @given(case=operation.as_strategy())
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-              phases=[Phase.explicit, Phase.generate])
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
     def run(case) -> None:
         # The valid key replaces the generated one, so cases reach the handlers (test_auth covers bad keys).
         case.call_and_validate(headers=with_key, checks=[not_a_server_error])

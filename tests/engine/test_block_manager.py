@@ -38,11 +38,11 @@ def test_blocks_are_allocated_on_demand_and_freed() -> None:
     assert len(seq.block_table) == 2 and bm.num_used_blocks == 2
     compute(seq, 6)
     for token in (6, 7):  # decode into the second block: no new block until position 8
-        seq.append_token(token)
+        seq.token_ids.append(token)
         assert bm.allocate_slots(seq, 1)
         compute(seq, 1)
         assert len(seq.block_table) == 2
-    seq.append_token(8)
+    seq.token_ids.append(8)
     assert bm.allocate_slots(seq, 1)
     assert len(seq.block_table) == 3
     assert bm.usage == pytest.approx(3 / 8)
@@ -193,11 +193,11 @@ def test_block_filled_during_decode_is_registered() -> None:
     assert admit(bm, seq)
     compute(seq, 3)
     assert bm.num_cached_blocks == 0
-    seq.append_token(4)  # decode the 4th token: the first block becomes full
+    seq.token_ids.append(4)  # decode the 4th token: the first block becomes full
     assert bm.allocate_slots(seq, 1)
     compute(seq, 1)
     assert bm.num_cached_blocks == 1
-    seq.append_token(5)
+    seq.token_ids.append(5)
     other = make_seq([1, 2, 3, 4, 9])
     assert admit(bm, other)
     assert other.num_computed_tokens == 4 and other.block_table[0] == seq.block_table[0]
@@ -268,7 +268,7 @@ def test_random_workload_keeps_every_invariant() -> None:
                 live.append(seq)
         elif action < 0.75:
             seq = rng.choice(live)
-            seq.append_token(rng.randrange(50))
+            seq.token_ids.append(rng.randrange(50))
             if bm.allocate_slots(seq, 1):
                 compute(seq, 1)
             else:

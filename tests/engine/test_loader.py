@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from batchinfer.engine import loader
+from batchinfer.engine import LLM, loader
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.loader import ModelNotFoundError, load_tokenizer, resolve_model_path
 from batchinfer.engine.model_runner import ModelRunner
@@ -65,8 +65,25 @@ def test_non_gguf_file_is_refused(tmp_path: Path) -> None:
 def test_hub_id_not_cached_says_there_is_no_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ModelNotFoundError, match="hub downloads are not available.*not in the local Hugging Face"):
+    says = "hub downloads are not available.*not in the local Hugging Face"
+    with pytest.raises(ModelNotFoundError, match=says):
         resolve_model_path("SomeOrg/some-model")
+
+
+def test_an_engine_resolves_its_model_once(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Path, config, tokenizer: read once by the engine, and its runner gets the same resolved model."""
+    calls: list[str] = []
+    for name in ("resolve_model_path", "load_hf_config", "load_tokenizer"):
+        def counted(*args, _real=getattr(loader, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(loader, name, counted)
+    engine = LLM(str(tiny_llama), device="cpu", num_kv_blocks=16, max_model_len=64).engine
+    assert sorted(calls) == ["load_hf_config", "load_tokenizer", "resolve_model_path"]
+    runner = engine.model_runner
+    assert runner.hf_config is engine.resolved_model.hf_config and runner.max_model_len == 64
+    assert engine.eos_token_ids == engine.resolved_model.eos_token_ids and engine.eos_token_ids
 
 
 def test_tokenizer_has_chat_template(tiny_qwen2: Path) -> None:
@@ -84,7 +101,8 @@ def test_sharded_checkpoint_loads_like_the_single_file(tiny_llama: Path, tmp_pat
     assert len(set(index["weight_map"].values())) > 1
     tokens = [5, 9, 33, 2, 17, 40]
     expected = _prefill_logits(_runner(tiny_llama), tokens)
-    torch.testing.assert_close(_prefill_logits(_runner(tmp_path / "sharded"), tokens), expected, atol=0, rtol=0)
+    sharded = _prefill_logits(_runner(tmp_path / "sharded"), tokens)
+    torch.testing.assert_close(sharded, expected, atol=0, rtol=0)
 
 
 def test_missing_lm_head_ties_it_to_the_embedding(tiny_llama: Path, tmp_path: Path) -> None:
@@ -105,7 +123,8 @@ def test_tied_model_shares_one_matrix(tiny_qwen2: Path) -> None:
 def test_checkpoint_mismatches_are_errors(tiny_llama: Path, tmp_path: Path) -> None:
     weights = load_file(tiny_llama / "model.safetensors")
     extra = _copy_model(tiny_llama, tmp_path / "extra")
-    save_file({**weights, "model.layers.7.mlp.gate_proj.weight": torch.zeros(2, 2)}, extra / "model.safetensors")
+    stray = {"model.layers.7.mlp.gate_proj.weight": torch.zeros(2, 2)}
+    save_file({**weights, **stray}, extra / "model.safetensors")
     with pytest.raises(ValueError, match="'model.layers.7.mlp.gate_proj.weight' has no place"):
         _runner(extra)
     missing = _copy_model(tiny_llama, tmp_path / "missing")

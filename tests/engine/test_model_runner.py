@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.layers.attention import GROUP_WASTE_FACTOR, GROUP_WASTE_SLACK, build_torch_plan
+from batchinfer.engine.layers.attention_plan import GROUP_WASTE_FACTOR, GROUP_WASTE_SLACK, build_torch_plan
 from batchinfer.engine.model_runner import ModelRunner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +77,8 @@ def test_last_token_logits_do_not_depend_on_batch_company(runner: ModelRunner) -
     """A sequence's logits are the same alone and batched with others (masks keep sequences apart)."""
     alone = runner.execute_model([(Seq([5, 6, 7, 8, 9, 10], [1, 2]), 6)])
     mixed = runner.execute_model(
-        [(Seq([11, 12, 13], [3]), 3), (Seq([5, 6, 7, 8, 9, 10], [4, 5]), 6), (Seq([7] * 13, [6, 7, 8, 9]), 13)]
+        [(Seq([11, 12, 13], [3]), 3), (Seq([5, 6, 7, 8, 9, 10], [4, 5]), 6),
+         (Seq([7] * 13, [6, 7, 8, 9]), 13)]
     )
     torch.testing.assert_close(mixed[1], alone[0], atol=1e-5, rtol=0)
 
@@ -105,9 +106,10 @@ def test_torch_plan_covers_each_query_once_with_bounded_padding() -> None:
 
 
 def test_native_decode_batch_takes_the_decode_tokens_of_a_mixed_step() -> None:
-    plan = build_torch_plan(q_lens=[3, 1, 1], seq_lens=[3, 9, 17], block_tables=[[4], [7, 2, 5], [1, 3, 6, 8, 9]],
-                            slot_mapping=torch.tensor([16, 17, 18, 20, 35]), block_size=4, dtype=torch.float32,
-                            device=torch.device("cpu"), native_decode=True)
+    plan = build_torch_plan(q_lens=[3, 1, 1], seq_lens=[3, 9, 17],
+                            block_tables=[[4], [7, 2, 5], [1, 3, 6, 8, 9]],
+                            slot_mapping=torch.tensor([16, 17, 18, 20, 35]), block_size=4,
+                            dtype=torch.float32, device=torch.device("cpu"), native_decode=True)
     native = plan.native_decode
     assert native.token_index.tolist() == [3, 4] and native.seq_lens.tolist() == [9, 17]
     assert native.block_tables.tolist() == [[7, 2, 5, 0, 0], [1, 3, 6, 8, 9]]
@@ -119,8 +121,9 @@ def test_native_decode_batch_takes_the_decode_tokens_of_a_mixed_step() -> None:
 
 
 def test_skipped_slots_are_not_written() -> None:
-    plan = build_torch_plan(q_lens=[3], seq_lens=[3], block_tables=[[0]], slot_mapping=torch.tensor([0, -1, 2]),
-                            block_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    plan = build_torch_plan(q_lens=[3], seq_lens=[3], block_tables=[[0]],
+                            slot_mapping=torch.tensor([0, -1, 2]), block_size=4, dtype=torch.float32,
+                            device=torch.device("cpu"))
     assert plan.store_rows.tolist() == [0, 2] and plan.store_slots.tolist() == [0, 2]
 
 
@@ -192,7 +195,8 @@ def test_cuda_graphs_and_eager_match_the_cpu_path(tiny_llama: Path) -> None:
     cpu = ModelRunner(EngineConfig(device="cpu", num_kv_blocks=64, **common))
     results = []
     for runner in (graphs, eager, cpu):
-        seqs = [Seq(list(range(3, 3 + n + 4)), list(range(8 * i, 8 * i + 8))) for i, n in enumerate((1, 5, 9))]
+        seqs = [Seq(list(range(3, 3 + n + 4)), list(range(8 * i, 8 * i + 8)))
+                for i, n in enumerate((1, 5, 9))]
         steps = [runner.execute_model([(s, len(s.token_ids) - 4) for s in seqs]).cpu()]
         for s in seqs:
             s.num_computed_tokens = len(s.token_ids) - 4

@@ -42,7 +42,9 @@ class ScatteredBlocks:
             seq.block_table.append(self.free.pop())
 
 
-def run_step(runner: ModelRunner, pool: ScatteredBlocks, scheduled: list[tuple[FakeSeq, int]]) -> torch.Tensor:
+def run_step(
+    runner: ModelRunner, pool: ScatteredBlocks, scheduled: list[tuple[FakeSeq, int]]
+) -> torch.Tensor:
     """Allocate, execute and advance num_computed_tokens like the engine does."""
     for seq, n in scheduled:
         pool.ensure(seq, seq.num_computed_tokens + n)
@@ -59,7 +61,8 @@ def hf_logits(hf_model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
 
 
 def make_runner(path: Path, *, block_size: int = 4, num_blocks: int = 256, **kwargs) -> ModelRunner:
-    config = EngineConfig(model=str(path), block_size=block_size, num_kv_blocks=num_blocks, device="cpu", **kwargs)
+    config = EngineConfig(model=str(path), block_size=block_size, num_kv_blocks=num_blocks, device="cpu",
+                          **kwargs)
     return ModelRunner(config)
 
 
@@ -70,7 +73,8 @@ def random_tokens(vocab: int, n: int, seed: int) -> list[int]:
 
 @pytest.fixture(
     scope="module",
-    params=[("tiny_llama", "native"), ("tiny_llama", "sdpa"), ("tiny_qwen2", "native"), ("tiny_qwen2", "sdpa")],
+    params=[("tiny_llama", "native"), ("tiny_llama", "sdpa"),
+            ("tiny_qwen2", "native"), ("tiny_qwen2", "sdpa")],
     ids="-".join,
 )
 def model_pair(request):
@@ -100,7 +104,7 @@ def test_batched_full_prefill(model_pair) -> None:
 
 
 def test_chunked_prefill_mixed_with_decode(model_pair) -> None:
-    """A prompt prefilled in chunks over its cached blocks, in the same steps as another sequence's decodes."""
+    """A prompt prefilled in chunks over its cached blocks, in the steps of another sequence's decodes."""
     runner, hf = model_pair
     vocab = runner.hf_config.vocab_size
     pool = ScatteredBlocks(runner.num_kv_blocks, runner.block_size, seed=1)
@@ -121,7 +125,7 @@ def test_chunked_prefill_mixed_with_decode(model_pair) -> None:
 
 
 def test_batched_decode_steps(model_pair) -> None:
-    """Many sequences of different lengths decoding together (teacher-forced tokens), block tables scattered."""
+    """Many sequences of different lengths decoding together (teacher-forced), block tables scattered."""
     runner, hf = model_pair
     vocab = runner.hf_config.vocab_size
     pool = ScatteredBlocks(runner.num_kv_blocks, runner.block_size, seed=2)

@@ -24,7 +24,7 @@ def make_seq(
 ) -> Sequence:
     seq = Sequence("r", prompt or [0, 1, 2], params, max_tokens=params.max_tokens or 64)
     for token in output or []:
-        seq.append_token(token)
+        seq.token_ids.append(token)
     return seq
 
 

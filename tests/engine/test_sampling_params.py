@@ -1,14 +1,16 @@
-"""SamplingParams and EngineConfig: vLLM defaults, normalization, field-naming errors, import lightness."""
+"""SamplingParams and EngineConfig: vLLM defaults, normalization, field errors, storage, light imports."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
+import orjson
 import pytest
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.sampling_params import SamplingParams
+from batchinfer.engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 def test_vllm_defaults() -> None:
@@ -56,8 +58,61 @@ def test_normalization() -> None:
     ],
 )
 def test_invalid_values_name_the_field(kwargs: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=rf"^{field}:"):
+    with pytest.raises(ValueError, match=rf"^{field}:") as info:
         SamplingParams(**kwargs)
+    assert isinstance(info.value, SamplingParamsError) and info.value.field == field
+    message = info.value.message
+    assert str(info.value) == f"{field}: {message}" and not message.startswith(f"{field}:")
+
+
+STORED = [
+    SamplingParams(),
+    SamplingParams(max_tokens=None),
+    SamplingParams(temperature=0, max_tokens=20, stop="###", stop_token_ids=(5, 6), top_k=-1, seed=0),
+    SamplingParams(n=3, top_p=0.9, min_p=0.05, presence_penalty=-0.2, frequency_penalty=0.1,
+                   repetition_penalty=1.1, min_tokens=2, logprobs=4, ignore_eos=True,
+                   include_stop_str_in_output=True, skip_special_tokens=False),
+]
+
+
+@pytest.mark.parametrize("params", STORED)
+def test_to_dict_round_trips_through_json(params: SamplingParams) -> None:
+    stored = orjson.loads(orjson.dumps(params.to_dict()))  # as the requests table holds it
+    assert SamplingParams.from_dict(stored) == params
+    assert SamplingParams(**stored) == params  # the dict is also valid constructor input
+
+
+def test_to_dict_keeps_only_what_differs_from_the_defaults() -> None:
+    assert SamplingParams().to_dict() == {}
+    assert SamplingParams(max_tokens=None, temperature=1.0, stop=[]).to_dict() == {"max_tokens": None}
+    assert SamplingParams(stop="x", top_k=-1).to_dict() == {"stop": ["x"]}
+
+
+def test_from_dict_reads_rows_stored_before_to_dict() -> None:
+    # Ingest used to store the body's sampling fields as given; the same object must come back.
+    raw = {"max_tokens": None, "stop": "###", "stop_token_ids": None, "top_k": -1, "ignore_eos": False}
+    assert SamplingParams.from_dict(raw) == SamplingParams(**raw)
+    assert SamplingParams.from_dict(raw).stop == ["###"]
+    with pytest.raises(TypeError, match="temprature"):
+        SamplingParams.from_dict({"temprature": 0.5})
+
+
+def test_from_dict_trusts_stored_params_and_does_not_validate_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    stored = SamplingParams(temperature=0.2, max_tokens=5, stop=["."]).to_dict()
+
+    def validate(self: SamplingParams) -> None:
+        raise AssertionError("from_dict validated again")
+
+    monkeypatch.setattr(SamplingParams, "__post_init__", validate)
+    rebuilt = SamplingParams.from_dict(stored)
+    assert (rebuilt.temperature, rebuilt.max_tokens, rebuilt.stop) == (0.2, 5, ["."])
+
+
+def test_params_are_frozen_so_one_can_be_shared() -> None:
+    params = SamplingParams(temperature=0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.temperature = 0.0  # type: ignore[misc]
+    assert dataclasses.replace(params, n=2) == SamplingParams(temperature=0.5, n=2)
 
 
 def test_child_seeds_are_deterministic_and_distinct() -> None:

@@ -47,7 +47,7 @@ def step(sched: Scheduler) -> SchedulerOutput:
     for s, n in out.scheduled:
         s.num_computed_tokens += n
         if s.num_computed_tokens == s.num_tokens:
-            s.append_token(7)
+            s.token_ids.append(7)
             if s.num_output_tokens >= s.max_tokens:
                 s.status = SequenceStatus.FINISHED_LENGTH_CAPPED
     sched.free_finished()

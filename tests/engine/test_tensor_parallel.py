@@ -97,7 +97,8 @@ def test_size_that_does_not_split_the_heads_is_a_clear_error(tiny_llama, size: i
 
 def test_more_ranks_than_cuda_devices_is_a_clear_error(tiny_llama) -> None:
     visible = torch.cuda.device_count()
-    with pytest.raises(ValueError, match=rf"tensor_parallel_size: 4 needs CUDA devices.*{visible} are visible"):
+    says = rf"tensor_parallel_size: 4 needs CUDA devices.*{visible} are visible"
+    with pytest.raises(ValueError, match=says):
         LLM(str(tiny_llama), device=f"cuda:{max(visible - 1, 0)}", tensor_parallel_size=4)
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from batchinfer.engine.llm_engine import LLM
+from batchinfer.engine.llm import LLM
+from batchinfer.engine.metrics import StatLogger, StepStats
 from batchinfer.engine.sampling_params import SamplingParams
-from batchinfer.metrics import StatLogger, StepStats
 
 
 def _value(name: str, model: str, **labels: str) -> float:
@@ -55,11 +55,11 @@ def test_metrics_move_on_a_small_run(llm: LLM) -> None:
 
 def test_stat_logger_line_reports_throughput_and_hit_rate() -> None:
     logger = StatLogger(interval_s=5.0)
-    assert logger.record_step(StepStats(num_running=3, num_waiting=1, kv_cache_usage=0.25,
-                                        num_prompt_tokens=100, num_generation_tokens=10,
-                                        prefix_cache_queries=100, prefix_cache_hits=75), now=logger._since + 1) is None
-    line = logger.record_step(StepStats(num_running=2, num_waiting=0, kv_cache_usage=0.5, num_generation_tokens=40),
-                              now=logger._since + 10)
+    first = StepStats(num_running=3, num_waiting=1, kv_cache_usage=0.25, num_prompt_tokens=100,
+                      num_generation_tokens=10, prefix_cache_queries=100, prefix_cache_hits=75)
+    assert logger.record_step(first, now=logger._since + 1) is None
+    second = StepStats(num_running=2, num_waiting=0, kv_cache_usage=0.5, num_generation_tokens=40)
+    line = logger.record_step(second, now=logger._since + 10)
     assert line is not None
     assert "Avg prompt throughput: 10.0 tokens/s" in line
     assert "Avg generation throughput: 5.0 tokens/s" in line

@@ -6,12 +6,24 @@ import io
 
 import orjson
 
+from batchinfer.config import Settings
+from batchinfer.store import jobs
 
-def chat_line(custom_id: str, user: str, *, system: str = "You are a helpful assistant.", **sampling) -> bytes:
+SETTINGS = Settings()  # what the store functions are given: the defaults of a fresh install
+
+
+def submit_job(session, **kwargs):
+    """jobs.submit_job with SETTINGS."""
+    return jobs.submit_job(session, settings=SETTINGS, **kwargs)
+
+
+def chat_line(custom_id: str, user: str, *, system: str = "You are a helpful assistant.",
+              **sampling) -> bytes:
     """An OpenAI batch chat line."""
     body = {"model": "test-model", "messages": [{"role": "system", "content": system},
                                                 {"role": "user", "content": user}], **sampling}
-    return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+    return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                         "body": body})
 
 
 def jsonl(*lines: bytes) -> io.BytesIO:
@@ -26,5 +38,6 @@ def fake_results(pending: list) -> list[dict]:
         prompt_tokens = 10 + request.line_number % 7
         out.append({"request_id": request.request_id,
                     "choices": [{"text": f"answer to {request.custom_id}", "finish_reason": "stop"}],
-                    "prompt_tokens": prompt_tokens, "completion_tokens": 3, "cached_tokens": prompt_tokens // 2})
+                    "prompt_tokens": prompt_tokens, "completion_tokens": 3,
+                    "cached_tokens": prompt_tokens // 2})
     return out

@@ -8,10 +8,9 @@ from pathlib import Path
 import orjson
 from sqlalchemy import select
 
-from batchinfer.store import jobs
 from batchinfer.store.ingest import IngestLimits, iter_lines, prefix_key
 from batchinfer.store.models import Job, JobStatus, Request, RequestStatus
-from tests.store.helpers import chat_line, jsonl
+from tests.store.helpers import chat_line, jsonl, submit_job
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
 
@@ -68,8 +67,9 @@ def test_duplicates_are_found_across_committed_chunks(db_url, session):
     result = ingest_file(session.get_bind(), job_id=job.id, stream=jsonl(*lines), limits=IngestLimits(),
                          chunk_rows=3)
     assert (result.total, result.valid, result.invalid) == (20, 7, 13)
-    rows = session.execute(select(Request.line_number, Request.status, Request.custom_id, Request.error_message)
-                           .where(Request.job_id == job.id).order_by(Request.line_number)).all()
+    columns = (Request.line_number, Request.status, Request.custom_id, Request.error_message)
+    rows = session.execute(select(*columns).where(Request.job_id == job.id)
+                           .order_by(Request.line_number)).all()
     assert [r.status for r in rows[:7]] == [RequestStatus.PENDING] * 7
     assert rows[7].error_message == ("line 8: duplicate custom_id 'id-0' (first used on line 1); "
                                      "custom_ids must be unique within a file")
@@ -78,7 +78,7 @@ def test_duplicates_are_found_across_committed_chunks(db_url, session):
 
 
 def test_the_example_file_ingests_cleanly(session):
-    job = jobs.submit_job(session, model="m", path=EXAMPLES, on_invalid="fail", shard_size=8)
+    job = submit_job(session, model="m", path=EXAMPLES, on_invalid="fail", shard_size=8)
     assert job.status == JobStatus.IN_PROGRESS, job.errors
     lines = [orjson.loads(x) for x in EXAMPLES.read_bytes().splitlines()]
     assert job.total_requests == len(lines) >= 20

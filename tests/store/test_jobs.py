@@ -9,11 +9,13 @@ import orjson
 import pytest
 from sqlalchemy import select
 
-from batchinfer.formats import BatchOutputLine
+from batchinfer.output_lines import BatchOutputLine
 from batchinfer.store import jobs, shards
+from batchinfer.store.errors import JobError, JobNotFound, JobStateError
+from batchinfer.store.export import export_results
 from batchinfer.store.models import JobStatus, Request, RequestStatus, Shard, ShardStatus, utcnow
 from batchinfer.store.serialize import batch_object
-from tests.store.helpers import chat_line, fake_results, jsonl
+from tests.store.helpers import chat_line, fake_results, jsonl, submit_job
 
 SYSTEMS = ["You are a pirate. Answer every question in pirate speak, with at least one 'arr'. " * 2,
            "You are a careful math tutor: show the key step, then the result on its own line. " * 2,
@@ -51,36 +53,39 @@ def run_all(session, *, model: str = "m", worker: str = "w1") -> int:
 
 def test_round_trip_exports_every_custom_id_once_in_input_order(session):
     lines = mixed_lines(60)
-    job = jobs.submit_job(session, model="m", stream=jsonl(*lines), shard_size=8, metadata={"team": "qa"})
+    job = submit_job(session, model="m", stream=jsonl(*lines), shard_size=8, metadata={"team": "qa"})
     assert job.status == JobStatus.IN_PROGRESS and job.num_shards == 8 and job.meta == {"team": "qa"}
     assert run_all(session) == 8
     job = jobs.get_job(session, job_id=job.id)
-    assert job.status == JobStatus.COMPLETED and job.completed_at is not None and job.finalizing_at is not None
+    assert job.status == JobStatus.COMPLETED
+    assert job.completed_at is not None and job.finalizing_at is not None
 
-    out = [orjson.loads(x) for x in jobs.export_results(session, job_id=job.id, chunk_size=7)]
+    out = [orjson.loads(x) for x in export_results(session, job_id=job.id, chunk_size=7)]
     expected_ids = [orjson.loads(x).get("custom_id", f"line-{n}") for n, x in enumerate(lines, 1)]
     assert [o["custom_id"] for o in out] == expected_ids  # each exactly once, input order
     for o in out:
         parsed = BatchOutputLine.model_validate(o)
         assert parsed.response.status_code == 200 and parsed.error is None
-        assert parsed.response.body.choices[0].get("message", {}).get("content", parsed.response.body.choices[0].get(
-            "text")) == f"answer to {o['custom_id']}"
-        assert parsed.response.body.object == ("text_completion" if o["custom_id"][0] in "tl" else "chat.completion")
-    assert list(jobs.export_results(session, job_id=job.id, kind="errors")) == []
-    with pytest.raises(jobs.JobError, match="is completed"):
+        choice = parsed.response.body.choices[0]
+        assert choice.get("message", {}).get("content", choice.get("text")) == f"answer to {o['custom_id']}"
+        expected_object = "text_completion" if o["custom_id"][0] in "tl" else "chat.completion"
+        assert parsed.response.body.object == expected_object
+    assert list(export_results(session, job_id=job.id, kind="errors")) == []
+    with pytest.raises(JobStateError, match="is completed"):
         jobs.cancel_job(session, job_id=job.id)
 
     prompt = sum(10 + n % 7 for n in range(1, 61))
     assert job.request_counts == {"total": 60, "completed": 60, "failed": 0}
+    cached = sum((10 + n % 7) // 2 for n in range(1, 61))
     assert job.usage == {"prompt_tokens": prompt, "completion_tokens": 180, "total_tokens": prompt + 180,
-                         "prompt_tokens_details": {"cached_tokens": sum((10 + n % 7) // 2 for n in range(1, 61))}}
+                         "prompt_tokens_details": {"cached_tokens": cached}}
     summary = batch_object(job)
     assert summary["id"] == f"batch_{job.id}" and summary["status"] == "completed"
     assert summary["request_counts"]["completed"] == 60
 
 
 def test_shards_keep_shared_prefixes_together(session):
-    job = jobs.submit_job(session, model="m", stream=jsonl(*mixed_lines(90)), shard_size=10)
+    job = submit_job(session, model="m", stream=jsonl(*mixed_lines(90)), shard_size=10)
     order = []  # every request, shard after shard, in the order a worker gets them
     for shard in shards.list_shards(session, job_id=job.id):
         pending = shards.pending_requests(session, shard_id=shard.id)
@@ -94,7 +99,7 @@ def test_shards_keep_shared_prefixes_together(session):
 
 
 def test_cancel_keeps_finished_results_and_cancels_the_rest(session):
-    job = jobs.submit_job(session, model="m", stream=jsonl(*mixed_lines(30)), shard_size=10)
+    job = submit_job(session, model="m", stream=jsonl(*mixed_lines(30)), shard_size=10)
     first = shards.claim_shard(session, worker_id="w1", model="m", lease_seconds=60)
     done = fake_results(shards.pending_requests(session, shard_id=first.shard_id))
     shards.write_results(session, shard_id=first.shard_id, lease_token=first.lease_token, results=done)
@@ -105,25 +110,27 @@ def test_cancel_keeps_finished_results_and_cancels_the_rest(session):
 
     job = jobs.cancel_job(session, job_id=job.id)
     assert job.status == JobStatus.CANCELLING  # a shard is still running
-    assert not shards.heartbeat(session, shard_id=running.shard_id, lease_token=running.lease_token)
-    assert shards.claim_shard(session, worker_id="w3", model="m") is None  # idle shards were cancelled
+    assert not shards.heartbeat(session, shard_id=running.shard_id, lease_token=running.lease_token,
+                                lease_seconds=60)
+    # the idle shards were cancelled
+    assert shards.claim_shard(session, worker_id="w3", model="m", lease_seconds=60) is None
     assert shards.release_shard(session, shard_id=running.shard_id, lease_token=running.lease_token)
     job = jobs.get_job(session, job_id=job.id)
     assert job.status == JobStatus.CANCELLED and job.cancelled_at is not None
     assert shards.shard_counts(session, job_id=job.id) == {"completed": 1, "cancelled": 2}
 
-    out = [orjson.loads(x)["custom_id"] for x in jobs.export_results(session, job_id=job.id)]
+    out = [orjson.loads(x)["custom_id"] for x in export_results(session, job_id=job.id)]
     assert len(out) == 15 and len(set(out)) == 15  # 10 + 5 finished results kept
-    errors = [orjson.loads(x) for x in jobs.export_results(session, job_id=job.id, kind="errors")]
+    errors = [orjson.loads(x) for x in export_results(session, job_id=job.id, kind="errors")]
     assert len(errors) == 15 and {e["error"]["code"] for e in errors} == {"batch_cancelled"}
     assert job.request_counts == {"total": 30, "completed": 15, "failed": 0}
     assert jobs.cancel_job(session, job_id=job.id).status == JobStatus.CANCELLED  # idempotent
-    with pytest.raises(jobs.JobError, match="not found"):
+    with pytest.raises(JobNotFound, match="not found"):
         jobs.cancel_job(session, job_id=job.id, owner="someone-else")
 
 
 def test_cancel_with_nothing_running_is_immediate(session):
-    job = jobs.submit_job(session, model="m", stream=jsonl(*mixed_lines(5)))
+    job = submit_job(session, model="m", stream=jsonl(*mixed_lines(5)))
     job = jobs.cancel_job(session, job_id=job.id)
     assert job.status == JobStatus.CANCELLED
     statuses = session.scalars(select(Request.status).where(Request.job_id == job.id)).all()
@@ -131,7 +138,7 @@ def test_cancel_with_nothing_running_is_immediate(session):
 
 
 def test_expire_jobs_past_their_window(session):
-    job = jobs.submit_job(session, model="m", stream=jsonl(*mixed_lines(12)), shard_size=4, completion_window="1h")
+    job = submit_job(session, model="m", stream=jsonl(*mixed_lines(12)), shard_size=4, completion_window="1h")
     lease = shards.claim_shard(session, worker_id="w1", model="m", lease_seconds=60)
     shards.write_results(session, shard_id=lease.shard_id, lease_token=lease.lease_token,
                          results=fake_results(shards.pending_requests(session, shard_id=lease.shard_id)))
@@ -139,27 +146,29 @@ def test_expire_jobs_past_their_window(session):
     assert jobs.expire_jobs(session, now=utcnow() + timedelta(hours=2)) == [job.id]
     job = jobs.get_job(session, job_id=job.id)
     assert job.status == JobStatus.EXPIRED and job.expired_at is not None
-    assert not shards.heartbeat(session, shard_id=lease.shard_id, lease_token=lease.lease_token)
+    assert not shards.heartbeat(session, shard_id=lease.shard_id, lease_token=lease.lease_token,
+                                lease_seconds=60)
     assert shards.complete_shard(session, shard_id=lease.shard_id, lease_token=lease.lease_token) == "expired"
-    assert len(list(jobs.export_results(session, job_id=job.id))) == 4
-    codes = {orjson.loads(x)["error"]["code"] for x in jobs.export_results(session, job_id=job.id, kind="errors")}
+    assert len(list(export_results(session, job_id=job.id))) == 4
+    codes = {orjson.loads(x)["error"]["code"]
+             for x in export_results(session, job_id=job.id, kind="errors")}
     assert codes == {"batch_expired"}
     assert session.get(Shard, lease.shard_id).status == ShardStatus.CANCELLED
 
 
 def test_idempotency_key_returns_the_same_job(session):
-    first = jobs.submit_job(session, model="m", stream=jsonl(*mixed_lines(3)), idempotency_key="nightly-1",
+    first = submit_job(session, model="m", stream=jsonl(*mixed_lines(3)), idempotency_key="nightly-1",
                             owner="alice")
-    again = jobs.submit_job(session, model="m", stream=jsonl(*mixed_lines(9)), idempotency_key="nightly-1",
+    again = submit_job(session, model="m", stream=jsonl(*mixed_lines(9)), idempotency_key="nightly-1",
                             owner="alice")
-    other_owner = jobs.submit_job(session, model="m", stream=jsonl(*mixed_lines(2)), idempotency_key="nightly-1",
+    other_owner = submit_job(session, model="m", stream=jsonl(*mixed_lines(2)), idempotency_key="nightly-1",
                                   owner="bob")
     assert again.id == first.id and again.total_requests == 3
     assert other_owner.id != first.id
 
 
 def test_list_jobs_pages_newest_first_per_owner(session):
-    made = [jobs.submit_job(session, model="m", stream=jsonl(*mixed_lines(1)), owner=o).id
+    made = [submit_job(session, model="m", stream=jsonl(*mixed_lines(1)), owner=o).id
             for o in ["a", "b", "a", "a", "b", "a"]]
     mine = [j for j, o in zip(made, "abaaba", strict=True) if o == "a"][::-1]
     page1 = jobs.list_jobs(session, owner="a", limit=3)
@@ -170,10 +179,11 @@ def test_list_jobs_pages_newest_first_per_owner(session):
 
 
 def test_endpoint_of_the_batch_is_enforced(session):
-    job = jobs.submit_job(session, model="m", stream=jsonl(*mixed_lines(10)), endpoint="/v1/chat/completions")
+    job = submit_job(session, model="m", stream=jsonl(*mixed_lines(10)), endpoint="/v1/chat/completions")
     assert job.status == JobStatus.IN_PROGRESS
     errored = session.scalars(select(Request.line_number).where(
-        Request.job_id == job.id, Request.status == RequestStatus.ERRORED).order_by(Request.line_number)).all()
+        Request.job_id == job.id, Request.status == RequestStatus.ERRORED)
+        .order_by(Request.line_number)).all()
     assert errored == [5, 7, 10]  # the completion and shorthand-prompt lines
     assert job.request_counts["failed"] == 3 and "batch endpoint" in job.errors[0]["message"]
 
@@ -181,18 +191,18 @@ def test_endpoint_of_the_batch_is_enforced(session):
 def test_submit_from_path_and_bad_arguments(session, tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_bytes(b"\n".join(mixed_lines(4)))  # no final newline
-    job = jobs.submit_job(session, model="m", path=path)
+    job = submit_job(session, model="m", path=path)
     assert job.total_requests == 4 and job.input_path == str(path)
-    with pytest.raises(jobs.JobError, match="exactly one"):
-        jobs.submit_job(session, model="m")
-    with pytest.raises(jobs.JobError, match="on_invalid"):
-        jobs.submit_job(session, model="m", stream=io.BytesIO(b""), on_invalid="ignore")
-    with pytest.raises(jobs.JobError, match="completion_window"):
-        jobs.submit_job(session, model="m", stream=io.BytesIO(b""), completion_window="soon")
-    with pytest.raises(jobs.JobError, match="metadata"):
-        jobs.submit_job(session, model="m", stream=io.BytesIO(b""), metadata={"k": 1})
+    with pytest.raises(JobError, match="exactly one"):
+        submit_job(session, model="m")
+    with pytest.raises(JobError, match="on_invalid"):
+        submit_job(session, model="m", stream=io.BytesIO(b""), on_invalid="ignore")
+    with pytest.raises(JobError, match="completion_window"):
+        submit_job(session, model="m", stream=io.BytesIO(b""), completion_window="soon")
+    with pytest.raises(JobError, match="metadata"):
+        submit_job(session, model="m", stream=io.BytesIO(b""), metadata={"k": 1})
     with pytest.raises(FileNotFoundError):
-        jobs.submit_job(session, model="m", path=tmp_path / "missing.jsonl")
+        submit_job(session, model="m", path=tmp_path / "missing.jsonl")
 
 
 class CancelWhileReading(io.BytesIO):
@@ -214,9 +224,10 @@ class CancelWhileReading(io.BytesIO):
 
 def test_a_job_cancelled_while_validating_stays_cancelled(session, make_session):
     data = b"".join(line + b"\n" for line in mixed_lines(20))
-    job = jobs.submit_job(session, model="m", stream=CancelWhileReading(data, make_session), shard_size=4)
+    job = submit_job(session, model="m", stream=CancelWhileReading(data, make_session), shard_size=4)
     assert job.status == JobStatus.CANCELLED and job.num_shards == 0
     assert job.request_counts == {"total": 20, "completed": 0, "failed": 0}
-    codes = [orjson.loads(x)["error"]["code"] for x in jobs.export_results(session, job_id=job.id, kind="errors")]
+    codes = [orjson.loads(x)["error"]["code"]
+             for x in export_results(session, job_id=job.id, kind="errors")]
     assert codes == ["batch_cancelled"] * 20
-    assert shards.claim_shard(session, worker_id="w", model="m") is None
+    assert shards.claim_shard(session, worker_id="w", model="m", lease_seconds=60) is None

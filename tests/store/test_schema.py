@@ -38,12 +38,15 @@ def test_downgrade_and_upgrade_again(sqlite_db):
     engine = get_engine(sqlite_db)
     assert set(inspect(engine).get_table_names()) == {"alembic_version"}
     command.upgrade(config, "head")
-    assert {"jobs", "shards", "requests", "files", "workers", "api_keys"} <= set(inspect(engine).get_table_names())
+    tables = set(inspect(engine).get_table_names())
+    assert {"jobs", "shards", "requests", "files", "workers", "api_keys"} <= tables
 
 
 def test_the_store_never_imports_torch():
-    code = ("import sys, batchinfer.store.db, batchinfer.store.models, batchinfer.store.ingest, "
-            "batchinfer.store.jobs, batchinfer.store.shards, batchinfer.formats; "
+    modules = ", ".join(f"batchinfer.store.{name}" for name in (
+        "db", "models", "ingest", "jobs", "shards", "transitions", "results", "export", "workers", "stats",
+        "files", "apikeys", "schedules", "serialize"))
+    code = (f"import sys, {modules}, batchinfer.formats; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'transformers'))]; "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

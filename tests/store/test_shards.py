@@ -10,13 +10,18 @@ import pytest
 from sqlalchemy import select, text
 
 from batchinfer.store import jobs, shards
+from batchinfer.store import workers as worker_store
+from batchinfer.store.errors import LeaseLost
+from batchinfer.store.export import export_results
 from batchinfer.store.models import JobStatus, Request, RequestStatus, Shard, ShardStatus, utcnow
-from tests.store.helpers import chat_line, fake_results, jsonl
+from tests.store.helpers import SETTINGS, chat_line, fake_results, jsonl
 
 
-def submit(session, count: int, shard_size: int, **kwargs):
+def submit(session, count: int, shard_size: int, *, max_attempts: int = SETTINGS.max_attempts, **kwargs):
     lines = [chat_line(f"r{i}", f"question {i}") for i in range(count)]
-    return jobs.submit_job(session, model="m", stream=jsonl(*lines), shard_size=shard_size, **kwargs)
+    settings = SETTINGS.model_copy(update={"max_attempts": max_attempts})
+    return jobs.submit_job(session, settings=settings, model="m", stream=jsonl(*lines), shard_size=shard_size,
+                           **kwargs)
 
 
 def test_a_stale_lease_token_can_neither_write_nor_complete(session):
@@ -26,26 +31,29 @@ def test_a_stale_lease_token_can_neither_write_nor_complete(session):
     report = shards.rescue_expired(session, now=zombie.lease_expires_at + timedelta(seconds=1))
     assert report.requeued == [zombie.shard_id]
     fresh = shards.claim_shard(session, worker_id="w2", model="m", lease_seconds=10)
-    assert fresh.shard_id == zombie.shard_id and fresh.attempt == 2 and fresh.lease_token != zombie.lease_token
+    assert fresh.shard_id == zombie.shard_id and fresh.attempt == 2
+    assert fresh.lease_token != zombie.lease_token
 
     pending = shards.pending_requests(session, shard_id=zombie.shard_id)
-    with pytest.raises(shards.LeaseLost):
+    with pytest.raises(LeaseLost):
         shards.write_results(session, shard_id=zombie.shard_id, lease_token=zombie.lease_token,
                              results=fake_results(pending))
-    with pytest.raises(shards.LeaseLost):
+    with pytest.raises(LeaseLost):
         shards.complete_shard(session, shard_id=zombie.shard_id, lease_token=zombie.lease_token)
-    with pytest.raises(shards.LeaseLost):
+    with pytest.raises(LeaseLost):
         shards.fail_shard(session, shard_id=zombie.shard_id, lease_token=zombie.lease_token, error="x")
-    assert not shards.heartbeat(session, shard_id=zombie.shard_id, lease_token=zombie.lease_token)
+    assert not shards.heartbeat(session, shard_id=zombie.shard_id, lease_token=zombie.lease_token,
+                                lease_seconds=60)
     assert not shards.release_shard(session, shard_id=zombie.shard_id, lease_token=zombie.lease_token)
     assert session.scalar(select(Request.id).where(Request.job_id == job.id,
                                                    Request.status != RequestStatus.PENDING)) is None
 
-    assert shards.heartbeat(session, shard_id=fresh.shard_id, lease_token=fresh.lease_token)
+    assert shards.heartbeat(session, shard_id=fresh.shard_id, lease_token=fresh.lease_token, lease_seconds=60)
     assert shards.write_results(session, shard_id=fresh.shard_id, lease_token=fresh.lease_token,
                                 results=fake_results(pending)) == 4
-    assert shards.complete_shard(session, shard_id=fresh.shard_id, lease_token=fresh.lease_token) == "completed"
-    with pytest.raises(shards.LeaseLost):  # a finished shard takes no more writes
+    assert shards.complete_shard(session, shard_id=fresh.shard_id,
+                                 lease_token=fresh.lease_token) == "completed"
+    with pytest.raises(LeaseLost):  # a finished shard takes no more writes
         shards.write_results(session, shard_id=fresh.shard_id, lease_token=fresh.lease_token, results=[])
 
 
@@ -72,13 +80,16 @@ def test_error_results_and_missing_results_are_counted_as_failed(session):
     first, second, _third = shards.pending_requests(session, shard_id=lease.shard_id)
     shards.write_results(session, shard_id=lease.shard_id, lease_token=lease.lease_token, results=[
         *fake_results([first]),
-        {"request_id": second.request_id, "error": {"code": "context_length_exceeded",
-                                                     "message": "prompt is 9000 tokens; max_model_len is 8192"}}])
-    assert shards.complete_shard(session, shard_id=lease.shard_id, lease_token=lease.lease_token) == "completed"
+        {"request_id": second.request_id,
+         "error": {"code": "context_length_exceeded",
+                   "message": "prompt is 9000 tokens; max_model_len is 8192"}}])
+    assert shards.complete_shard(session, shard_id=lease.shard_id,
+                                 lease_token=lease.lease_token) == "completed"
     job = jobs.get_job(session, job_id=job.id)
     assert job.status == JobStatus.COMPLETED
     assert job.request_counts == {"total": 3, "completed": 1, "failed": 2}
-    codes = [orjson.loads(x)["error"]["code"] for x in jobs.export_results(session, job_id=job.id, kind="errors")]
+    codes = [orjson.loads(x)["error"]["code"]
+             for x in export_results(session, job_id=job.id, kind="errors")]
     assert sorted(codes) == ["context_length_exceeded", "missing_result"]
 
 
@@ -89,16 +100,18 @@ def test_rescue_fails_the_shard_after_max_attempts_with_worker_lost(session):
         lease = shards.claim_shard(session, worker_id=f"w{attempt}", model="m", lease_seconds=5, now=now)
         assert lease.attempt == attempt
         if attempt == 1:
+            pending = shards.pending_requests(session, shard_id=lease.shard_id)
             shards.write_results(session, shard_id=lease.shard_id, lease_token=lease.lease_token,
-                                 results=fake_results(shards.pending_requests(session, shard_id=lease.shard_id))[:2])
+                                 results=fake_results(pending)[:2])
         now += timedelta(seconds=10)
         report = shards.rescue_expired(session, now=now)
     assert report.failed == [lease.shard_id] and report.requeued == []
     job = jobs.get_job(session, job_id=job.id)
     assert job.status == JobStatus.COMPLETED  # the job still finishes, with the lost requests errored
     assert job.request_counts == {"total": 5, "completed": 2, "failed": 3}
-    errors = [orjson.loads(x)["error"] for x in jobs.export_results(session, job_id=job.id, kind="errors")]
-    assert {e["code"] for e in errors} == {"worker_lost"} and "w2 stopped heartbeating" in errors[0]["message"]
+    errors = [orjson.loads(x)["error"] for x in export_results(session, job_id=job.id, kind="errors")]
+    assert {e["code"] for e in errors} == {"worker_lost"}
+    assert "w2 stopped heartbeating" in errors[0]["message"]
     assert session.get(Shard, lease.shard_id).status == ShardStatus.FAILED
 
 
@@ -114,7 +127,8 @@ def test_release_gives_the_attempt_back_and_fail_shard_spends_it(session):
     assert lease.attempt == 2
     assert shards.fail_shard(session, shard_id=lease.shard_id, lease_token=lease.lease_token,
                              error="engine crashed") == "failed"
-    errors = session.scalars(select(Request.error_message).where(Request.status == RequestStatus.ERRORED)).all()
+    errors = session.scalars(select(Request.error_message)
+                             .where(Request.status == RequestStatus.ERRORED)).all()
     assert errors == ["engine crashed (after 2 attempt(s))"] * 2
 
 
@@ -124,10 +138,11 @@ def test_claim_by_shard_id_and_by_priority(session):
     target = shards.list_shards(session, job_id=low.id)[1]
     lease = shards.claim_shard(session, worker_id="w1", shard_id=target.id, lease_seconds=60)
     assert lease.shard_id == target.id
-    assert shards.claim_shard(session, worker_id="w2", shard_id=target.id) is None  # duplicate delivery
+    duplicate_delivery = shards.claim_shard(session, worker_id="w2", shard_id=target.id, lease_seconds=60)
+    assert duplicate_delivery is None
     nxt = shards.claim_shard(session, worker_id="w2", model="m", lease_seconds=60)
     assert nxt.job_id == high.id  # lower priority value first
-    assert shards.claim_shard(session, worker_id="w2", model="other-model") is None
+    assert shards.claim_shard(session, worker_id="w2", model="other-model", lease_seconds=60) is None
 
 
 def claim_everything(make_session, threads: int) -> list[int]:
@@ -186,14 +201,15 @@ def test_skip_locked_passes_over_a_shard_being_claimed(pg_url):
 def test_worker_registry_lists_live_workers_and_their_shards(session):
     submit(session, 2, 1)
     now = utcnow()
-    shards.register_worker(session, worker_id="gpu-0", model="m", hostname="host-a", pid=11, now=now)
-    shards.register_worker(session, worker_id="gpu-1", model="m", hostname="host-b", now=now - timedelta(minutes=5))
+    worker_store.register_worker(session, worker_id="gpu-0", model="m", hostname="host-a", pid=11, now=now)
+    worker_store.register_worker(session, worker_id="gpu-1", model="m", hostname="host-b",
+                                 now=now - timedelta(minutes=5))
     lease = shards.claim_shard(session, worker_id="gpu-0", model="m", lease_seconds=60)
-    assert shards.worker_heartbeat(session, worker_id="gpu-0", now=now)
-    assert not shards.worker_heartbeat(session, worker_id="ghost")
-    live = shards.list_workers(session, live_within_seconds=60, now=now)
+    assert worker_store.worker_heartbeat(session, worker_id="gpu-0", now=now)
+    assert not worker_store.worker_heartbeat(session, worker_id="ghost")
+    live = worker_store.list_workers(session, live_within_seconds=60, now=now)
     assert [(w.worker_id, w.shard_ids, w.live) for w in live] == [("gpu-0", [lease.shard_id], True)]
-    everyone = shards.list_workers(session, include_dead=True, now=now)
+    everyone = worker_store.list_workers(session, include_dead=True, now=now)
     assert [(w.worker_id, w.live) for w in everyone] == [("gpu-0", True), ("gpu-1", False)]
-    shards.deregister_worker(session, worker_id="gpu-0")
-    assert shards.list_workers(session, now=now) == []
+    worker_store.deregister_worker(session, worker_id="gpu-0")
+    assert worker_store.list_workers(session, now=now) == []

@@ -20,11 +20,12 @@ from sqlalchemy import select
 
 from batchinfer.config import Settings
 from batchinfer.store.db import session_factory, upgrade
-from batchinfer.store.jobs import cancel_job, export_results, get_job, submit_job
+from batchinfer.store.export import export_results
+from batchinfer.store.jobs import cancel_job, get_job
 from batchinfer.store.models import Request, Shard
 from tests.workers.helpers import read_lines, write_requests
-from workers.celery_app import RUN_SHARD, create_celery_app, queue_name
-from workers.dispatch import dispatch_job, rescue_and_redispatch
+from workers.app import RUN_SHARD, create_celery_app, queue_name
+from workers.dispatch import rescue_and_redispatch, submit_and_announce
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 
@@ -66,8 +67,8 @@ class Cluster:
         path = self.tmp_path / f"in-{time.monotonic_ns()}.jsonl"
         ids = write_requests(path, count, max_tokens=max_tokens)
         with self.sessions() as session:
-            job = submit_job(session, path=path, model=self.model, owner="t", shard_size=shard_size)
-        dispatch_job(job_id=job.id, settings=self.settings, app=self.app)
+            job = submit_and_announce(session=session, settings=self.settings, app=self.app, path=path,
+                                      model=self.model, owner="t", shard_size=shard_size)
         return job.id, ids
 
     def job(self, job_id: int):  # noqa: ANN201
@@ -95,8 +96,8 @@ class Cluster:
     def results(self, job_id: int) -> list[dict]:
         out = self.tmp_path / f"out-{job_id}.jsonl"
         with self.sessions() as session:
-            out.write_bytes(b"".join(export_results(session, job_id=job_id)))
-            out.write_bytes(out.read_bytes() + b"".join(export_results(session, job_id=job_id, kind="errors")))
+            out.write_bytes(b"".join(export_results(session, job_id=job_id))
+                            + b"".join(export_results(session, job_id=job_id, kind="errors")))
         return read_lines(out)
 
     def shards(self, job_id: int) -> list[Shard]:
@@ -129,7 +130,7 @@ def cluster(pg_url: str, redis_url: str, tiny_llama: Path, tmp_path: Path) -> It
 
 def _wait_workers_ready(cluster: Cluster, count: int, timeout: float = 90) -> None:
     """Workers register in the database at start and log "ready" once Celery consumes."""
-    from batchinfer.store.shards import list_workers
+    from batchinfer.store.workers import list_workers
 
     deadline = time.monotonic() + timeout
     logs = [cluster.tmp_path / f"w{i}.log" for i in range(count)]
@@ -196,7 +197,8 @@ def test_cancel_mid_job_keeps_finished_results(cluster: Cluster) -> None:
     assert sorted(line["custom_id"] for line in lines) == ids  # the rest are reported as cancelled
     assert {line["error"]["code"] for line in lines if line["error"]} <= {"batch_cancelled"}
     with cluster.sessions() as session:
-        pending = session.scalars(select(Request).where(Request.job_id == job_id, Request.status == "pending")).all()
+        pending = session.scalars(select(Request).where(Request.job_id == job_id,
+                                                        Request.status == "pending")).all()
     assert not pending
 
 
@@ -206,7 +208,8 @@ def test_broker_restart_mid_job_loses_nothing(pg_url: str, tiny_llama: Path, tmp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    redis_cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    redis_cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                 "--save", "", "--appendonly", "no"]
     redis = subprocess.Popen(redis_cmd, stdout=subprocess.DEVNULL)
     time.sleep(0.5)
     c = Cluster(pg_url, f"redis://127.0.0.1:{port}/0", tiny_llama, tmp_path)

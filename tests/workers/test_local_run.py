@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from batchinfer.config import Settings
 from batchinfer.store.db import session_factory, upgrade
-from batchinfer.store.jobs import export_results, get_job, submit_job
+from batchinfer.store.export import export_results
+from batchinfer.store.jobs import get_job, submit_job
 from tests.workers.helpers import read_lines, write_requests
-from workers.local import make_runner, run_job
+from workers.process import make_runner, run_job
 
 
 def _round_trip(url: str, model: Path, tmp_path: Path) -> None:
@@ -20,7 +22,8 @@ def _round_trip(url: str, model: Path, tmp_path: Path) -> None:
     input_path = tmp_path / "in.jsonl"
     ids = write_requests(input_path, 20, seeded=True, extra_lines=[b'{"custom_id": "bad", "body": 3}'])
     with sessions() as session:
-        job = submit_job(session, path=input_path, model=str(model), owner="t", shard_size=6)
+        job = submit_job(session, settings=settings, path=input_path, model=str(model), owner="t",
+                         shard_size=6)
     assert job.num_shards == 4
     runner = make_runner(model=str(model), settings=settings, max_num_seqs=8, device="cpu")
     stats = run_job(job_id=job.id, runner=runner)
@@ -46,11 +49,12 @@ def _round_trip(url: str, model: Path, tmp_path: Path) -> None:
 
     # Seeded sampling is reproducible: the same file again gives the same texts.
     with sessions() as session:
-        again = submit_job(session, path=input_path, model=str(model), owner="t", shard_size=20)
+        again = submit_job(session, settings=settings, path=input_path, model=str(model), owner="t",
+                           shard_size=20)
     run_job(job_id=again.id, runner=runner)
     with sessions() as session:
-        second = [orjson_line["response"]["body"]["choices"][0]["message"]["content"]
-                  for orjson_line in map(__import__("orjson").loads, export_results(session, job_id=again.id))]
+        second = [orjson.loads(line)["response"]["body"]["choices"][0]["message"]["content"]
+                  for line in export_results(session, job_id=again.id)]
     assert second == [line["response"]["body"]["choices"][0]["message"]["content"] for line in lines]
 
 

@@ -9,10 +9,11 @@ import orjson
 
 from batchinfer.config import Settings
 from batchinfer.store.db import session_factory, upgrade
-from batchinfer.store.jobs import export_results, get_job, submit_job
+from batchinfer.store.export import export_results
+from batchinfer.store.jobs import get_job, submit_job
 from batchinfer.store.models import Shard
 from tests.workers.helpers import write_requests
-from workers.local import make_runner, run_job
+from workers.process import make_runner, run_job
 
 POISON = "poison " * 40
 
@@ -24,7 +25,7 @@ def _setup(url: str, tmp_path: Path, model: Path, extra: list[bytes]) -> tuple:
     ids = write_requests(path, 10, extra_lines=extra)
     sessions = session_factory(url)
     with sessions() as session:
-        job = submit_job(session, path=path, model=str(model), owner="t", shard_size=4)
+        job = submit_job(session, settings=settings, path=path, model=str(model), owner="t", shard_size=4)
     runner = make_runner(model=str(model), settings=settings, max_num_seqs=6, device="cpu",
                          kv_cache_memory_bytes=16 << 20)
     return settings, sessions, job, runner, ids
@@ -58,7 +59,8 @@ def test_request_that_makes_the_engine_raise_is_errored_and_the_rest_succeed(
     assert runner.engine.block_manager.num_free_blocks == runner.engine.block_manager.num_total_blocks
 
 
-def test_invalid_parameters_for_this_model_are_errored(sqlite_url: str, tmp_path: Path, tiny_llama: Path) -> None:
+def test_invalid_parameters_for_this_model_are_errored(
+        sqlite_url: str, tmp_path: Path, tiny_llama: Path) -> None:
     too_long = orjson.dumps({"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
                              "body": {"prompt": "the cat " * 400, "max_tokens": 4}})
     settings, sessions, job, runner, ids = _setup(sqlite_url, tmp_path, tiny_llama, [too_long])

@@ -16,8 +16,9 @@ from batchinfer.store.db import session_factory, upgrade
 from batchinfer.store.models import Job, ScheduleRun, WebhookDelivery
 from batchinfer.store.schedules import ScheduleError, add_schedule
 from tests.workers.helpers import read_lines, write_requests
-from workers.local import make_runner, run_job
-from workers.scheduling import SIGNATURE_HEADER, TIMESTAMP_HEADER, tick, verify, write_atomically
+from workers.cron import tick, write_atomically
+from workers.process import make_runner, run_job
+from workers.webhooks import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
 
 T0 = datetime(2026, 11, 1, 0, 0, tzinfo=UTC)  # 02:00 Europe/Rome is 01:00 UTC in November
 
@@ -131,14 +132,16 @@ class _Hook(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_outputs_written_and_signed_webhook_retried(sqlite_url: str, tmp_path: Path, tiny_llama: Path) -> None:
+def test_outputs_written_and_signed_webhook_retried(
+        sqlite_url: str, tmp_path: Path, tiny_llama: Path) -> None:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
     _Hook.received = []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         settings = _settings(sqlite_url, tmp_path)
         with session_factory(sqlite_url)() as session:
-            add_schedule(session, name="nightly", cron="0 2 * * *", timezone="Europe/Rome", model=str(tiny_llama),
+            add_schedule(session, name="nightly", cron="0 2 * * *", timezone="Europe/Rome",
+                         model=str(tiny_llama),
                          input_template=str(tmp_path / "data" / "{date:%Y-%m-%d}" / "*.jsonl"),
                          output_template=str(tmp_path / "out" / "{date:%Y-%m-%d}.jsonl"),
                          errors_template=str(tmp_path / "out" / "{date:%Y-%m-%d}.errors.jsonl"),
@@ -158,7 +161,8 @@ def test_outputs_written_and_signed_webhook_retried(sqlite_url: str, tmp_path: P
         tick(settings=settings, now=now + timedelta(minutes=1))  # writes outputs, first webhook attempt fails
         out = read_lines(tmp_path / "out" / "2026-11-01.jsonl")
         assert [line["custom_id"] for line in out] == ["req-0000", "req-0001", "req-0002"]
-        assert all(line["response"]["body"]["usage"]["completion_tokens"] == 3 for line in out)  # default param
+        # max_tokens came from the schedule's default params
+        assert all(line["response"]["body"]["usage"]["completion_tokens"] == 3 for line in out)
         assert (tmp_path / "out" / "2026-11-01.errors.jsonl").read_bytes() == b""
         assert not list((tmp_path / "out").glob(".*"))  # no temp files left behind
         assert len(_Hook.received) == 1
@@ -206,4 +210,5 @@ def test_invalid_schedule_names_the_field(sqlite_url: str, tmp_path: Path) -> No
         with pytest.raises(ScheduleError, match="cron"):
             add_schedule(session, name="x", cron="every night", input_template="a", model="m")
         with pytest.raises(ScheduleError, match="timezone"):
-            add_schedule(session, name="x", cron="0 2 * * *", timezone="Mars/Base", input_template="a", model="m")
+            add_schedule(session, name="x", cron="0 2 * * *", timezone="Mars/Base", input_template="a",
+                         model="m")

@@ -12,32 +12,31 @@ import asyncio
 import logging
 import uuid
 from concurrent.futures import Future
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from batchinfer.api import metrics
-from batchinfer.api.deps import Caller, CallerDep, OwnerDep, SessionsDep, SettingsDep, TTLCache, ingest_pool
+from batchinfer.api.cache import PollCache
+from batchinfer.api.deps import Caller, CallerDep, OwnerDep, SessionsDep, SettingsDep, ingest_pool
 from batchinfer.api.errors import ERROR_RESPONSES, APIError, bad_request, not_found
+from batchinfer.api.schemas import BatchList, BatchObject, CreateBatchRequest
 from batchinfer.config import Settings
 from batchinfer.formats import URL_TO_ENDPOINT, validate_metadata
 from batchinfer.store import files as file_store
-from batchinfer.store.ingest import IngestLimits
+from batchinfer.store.errors import JobError, JobNotFound, JobStateError
 from batchinfer.store.jobs import (
-    JobError,
     cancel_job,
     get_job,
+    job_id_by_idempotency_key,
     list_jobs,
     parse_completion_window,
-    submit_job,
 )
-from batchinfer.store.models import File, Job, JobStatus
+from batchinfer.store.models import File, Job
 from batchinfer.store.serialize import batch_object, parse_batch_id, parse_file_id
-from workers.dispatch import dispatch_job
+from workers.dispatch import submit_and_announce
 
 logger = logging.getLogger("batchinfer.api")
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -46,87 +45,6 @@ SUBMIT_WAIT_S = 2.0  # how long POST /v1/batches waits for ingest before answeri
 _ROW_POLL_S = 0.01
 
 BatchId = Annotated[str, Path(description="batch_<n>", examples=["batch_1"])]
-
-
-class CreateBatchRequest(BaseModel):
-    """OpenAI's create-batch body, plus `model` (the model to run; default: the server's default model)."""
-
-    model_config = ConfigDict(extra="ignore", protected_namespaces=(), json_schema_extra={"examples": [
-        {"input_file_id": "file-1", "endpoint": "/v1/chat/completions", "completion_window": "24h"}]})
-
-    input_file_id: str = Field(max_length=64, examples=["file-1"])
-    endpoint: str | None = Field(max_length=64, examples=["/v1/chat/completions"], description=(
-        "/v1/chat/completions or /v1/completions: every line must use it. Extension: omitted or null, each "
-        "line may use either (what `batchinfer submit --server` sends for a mixed file)."))
-    completion_window: str = Field("24h", max_length=16, description="OpenAI accepts only '24h'; also <n>s|m|h|d")
-    metadata: dict[str, str] | None = Field(None, examples=[{"team": "nlp"}])
-    model: str | None = Field(None, max_length=256, description="Extension: the model to run this batch on.")
-
-
-class BatchErrorItem(BaseModel):
-    code: str | None = None
-    line: int | None = None
-    message: str | None = None
-    param: str | None = None
-
-
-class BatchErrors(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[BatchErrorItem]
-
-
-class RequestCounts(BaseModel):
-    total: int
-    completed: int
-    failed: int
-
-
-class BatchProgress(BaseModel):
-    """Extension: how far the batch is (OpenAI clients ignore it)."""
-
-    fraction: float
-    tokens_per_second: float | None = None
-    eta_seconds: float | None = None
-
-
-class BatchObject(BaseModel):
-    """OpenAI's Batch object (+ `model` and the `progress` extension)."""
-
-    model_config = ConfigDict(protected_namespaces=())
-
-    id: str
-    object: Literal["batch"] = "batch"
-    endpoint: str | None  # null: a batch whose lines may use either endpoint (extension)
-    model: str | None = None
-    errors: BatchErrors | None = None
-    input_file_id: str | None
-    completion_window: str
-    status: str
-    output_file_id: str | None = None
-    error_file_id: str | None = None
-    created_at: int
-    in_progress_at: int | None = None
-    expires_at: int | None = None
-    finalizing_at: int | None = None
-    completed_at: int | None = None
-    failed_at: int | None = None
-    expired_at: int | None = None
-    cancelling_at: int | None = None
-    cancelled_at: int | None = None
-    request_counts: RequestCounts
-    metadata: dict[str, str] | None = None
-    usage: dict[str, Any]
-    progress: BatchProgress
-
-
-class BatchList(BaseModel):
-    """OpenAI's list of batches, newest first."""
-
-    object: Literal["list"] = "list"
-    data: list[BatchObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool = False
 
 
 def _job_or_404(session: Session, owner: str, batch_id: str) -> Job:
@@ -139,8 +57,8 @@ def _job_or_404(session: Session, owner: str, batch_id: str) -> Job:
 
 def _validate(body: CreateBatchRequest, session: Session, owner: str, max_metadata_bytes: int) -> File:
     if body.endpoint is not None and body.endpoint not in URL_TO_ENDPOINT:
-        raise bad_request(f"Unsupported endpoint '{body.endpoint}': use one of {', '.join(sorted(URL_TO_ENDPOINT))}.",
-                          param="endpoint", code="invalid_value")
+        raise bad_request(f"Unsupported endpoint '{body.endpoint}': use one of "
+                          f"{', '.join(sorted(URL_TO_ENDPOINT))}.", param="endpoint", code="invalid_value")
     try:
         parse_completion_window(body.completion_window)
     except JobError as exc:
@@ -155,8 +73,8 @@ def _validate(body: CreateBatchRequest, session: Session, owner: str, max_metada
     if row is None:
         raise not_found("File", body.input_file_id, param="input_file_id")
     if row.purpose != "batch":
-        raise bad_request(f"File '{body.input_file_id}' has purpose '{row.purpose}'; a batch needs a 'batch' file.",
-                          param="input_file_id")
+        raise bad_request(f"File '{body.input_file_id}' has purpose '{row.purpose}'; a batch needs a "
+                          "'batch' file.", param="input_file_id")
     return row
 
 
@@ -164,26 +82,17 @@ def _submit(factory: sessionmaker[Session], settings: Settings, kwargs: dict[str
     """Runs on the ingest pool: the whole submit (create job, ingest, shard, announce); returns the job id."""
     with factory() as session:
         try:
-            job = submit_job(session, **kwargs)
+            job = submit_and_announce(session=session, settings=settings, **kwargs)
         except JobError:
             raise
         except Exception:
             logger.exception("ingest of %s failed", kwargs.get("path"))
-            job_id = _job_id_by_key(session, kwargs["owner"], kwargs["idempotency_key"])
+            job_id = job_id_by_idempotency_key(session, owner=kwargs["owner"], key=kwargs["idempotency_key"])
             if job_id is None:
                 raise
             return job_id  # submit_job marked it failed with an ingest_error
     metrics.INGESTED_REQUESTS.inc(job.total_requests)
-    if job.status == JobStatus.IN_PROGRESS and settings.broker_url:
-        try:  # wake the Celery workers of the job's model; local-mode workers poll the database instead
-            dispatch_job(job_id=job.id, settings=settings)
-        except Exception:
-            logger.exception("could not announce the shards of job %s on the broker", job.id)
     return job.id
-
-
-def _job_id_by_key(session: Session, owner: str, key: str) -> int | None:
-    return session.scalar(select(Job.id).where(Job.owner == owner, Job.idempotency_key == key))
 
 
 async def _wait_for_job(factory: sessionmaker[Session], owner: str, key: str, future: Future[int]) -> int:
@@ -196,7 +105,7 @@ async def _wait_for_job(factory: sessionmaker[Session], owner: str, key: str, fu
 
     def lookup() -> int | None:
         with factory() as session:
-            return _job_id_by_key(session, owner, key)
+            return job_id_by_idempotency_key(session, owner=owner, key=key)
 
     while True:
         if future.done():
@@ -224,11 +133,9 @@ async def create_batch(
 
     file = await run_in_threadpool(validate)
     key = f"api:{idempotency_key}" if idempotency_key else f"api:{uuid.uuid4().hex}"
-    kwargs = dict(model=body.model or settings.default_model, path=file.path, input_file_id=file.id, owner=owner,
-                  endpoint=body.endpoint, metadata=body.metadata, completion_window=body.completion_window,
-                  idempotency_key=key, shard_size=settings.shard_size, max_attempts=settings.max_attempts,
-                  limits=IngestLimits(settings.max_line_bytes, settings.max_requests_per_job,
-                                      settings.max_metadata_bytes))
+    kwargs = dict(model=body.model or settings.default_model, path=file.path, input_file_id=file.id,
+                  owner=owner, endpoint=body.endpoint, metadata=body.metadata,
+                  completion_window=body.completion_window, idempotency_key=key)
     future = ingest_pool(request.app).submit(_submit, factory, settings, kwargs)
     try:
         job_id = await _wait_for_job(factory, owner, key, future)
@@ -260,8 +167,8 @@ async def list_batches(
 
     def page(session: Session, owner: str) -> dict[str, Any]:
         if after and after_id is None:
-            raise bad_request(f"Invalid 'after' cursor '{after}': pass the id of a batch from a previous page.",
-                              param="after")
+            raise bad_request(f"Invalid 'after' cursor '{after}': pass the id of a batch from a previous "
+                              "page.", param="after")
         jobs = list_jobs(session, owner=owner, after=after_id, limit=limit + 1)
         data = [batch_object(job) for job in jobs[:limit]]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
@@ -278,7 +185,7 @@ async def retrieve_batch(batch_id: BatchId, caller: CallerDep, request: Request)
     cached check (at most AUTH_CACHE_TTL_S old): a poll is answered on the event loop, and one
     background read per half-TTL keeps both fresh, whatever the number of clients.
     """
-    cache: TTLCache = request.app.state.status_cache
+    cache: PollCache = request.app.state.status_cache
     job_id = parse_batch_id(batch_id)
 
     def read(session: Session, owner: str) -> dict[str, Any]:
@@ -305,8 +212,8 @@ def _in_background(coroutine: Any) -> None:
     task.add_done_callback(_background_tasks.discard)
 
 
-async def _refresh(caller: Caller, read: Any, cache: TTLCache, job_id: int) -> None:
-    """Re-authenticate and re-read a polled batch; on any failure forget both, so the next poll asks the DB."""
+async def _refresh(caller: Caller, read: Any, cache: PollCache, job_id: int) -> None:
+    """Re-authenticate and re-read a polled batch; on a failure forget both (the next poll asks the DB)."""
     try:
         await caller.read(read)
     except Exception:  # revoked key (401), deleted job (404), database trouble: no stale answer survives
@@ -314,7 +221,8 @@ async def _refresh(caller: Caller, read: Any, cache: TTLCache, job_id: int) -> N
         caller.forget_key()
 
 
-@router.post("/{batch_id}/cancel", response_model=BatchObject, responses=ERROR_RESPONSES, summary="Cancel a batch")
+@router.post("/{batch_id}/cancel", response_model=BatchObject, responses=ERROR_RESPONSES,
+             summary="Cancel a batch")
 async def cancel_batch(batch_id: BatchId, caller: CallerDep, request: Request) -> dict[str, Any]:
     """Cancel: the batch is `cancelling` until running shards let go, then `cancelled`."""
     batch = await run_in_threadpool(_cancel, caller, batch_id)
@@ -323,14 +231,15 @@ async def cancel_batch(batch_id: BatchId, caller: CallerDep, request: Request) -
 
 
 def _cancel(caller: Caller, batch_id: str) -> dict[str, Any]:
+    job_id = parse_batch_id(batch_id)
+    if job_id is None:
+        raise not_found("batch", batch_id, param="batch_id")
     with caller.session() as (session, owner):
-        job = _job_or_404(session, owner, batch_id)
         try:
-            job = cancel_job(session, job_id=job.id, owner=owner)
-        except JobError:
-            current = get_job(session, job_id=job.id, owner=owner)
-            status = current.status if current is not None else "unknown"
-            raise bad_request(f"Cannot cancel a batch with status '{status}'.", param="batch_id",
+            job = cancel_job(session, job_id=job_id, owner=owner)
+        except JobNotFound:
+            raise not_found("batch", batch_id, param="batch_id") from None
+        except JobStateError as exc:
+            raise bad_request(f"Cannot cancel a batch with status '{exc.status}'.", param="batch_id",
                               code="invalid_batch_status") from None
         return batch_object(job)
-

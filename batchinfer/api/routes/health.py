@@ -6,10 +6,10 @@ import logging
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from batchinfer.api.deps import SessionsDep
+from batchinfer.store.db import ping
 
 logger = logging.getLogger("batchinfer.api")
 router = APIRouter(tags=["operations"])
@@ -21,12 +21,13 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Readiness: the database answers", responses={503: {"description": "Not ready"}})
+@router.get("/readyz", summary="Readiness: the database answers",
+            responses={503: {"description": "Not ready"}})
 def readyz(factory: SessionsDep) -> JSONResponse:
     """The database is reachable: 200, else 503 (the reason goes to the log, not the client)."""
     try:
         with factory() as session:
-            session.execute(text("SELECT 1"))
+            ping(session)
     except SQLAlchemyError:
         logger.warning("readiness check failed: database unreachable", exc_info=True)
         return JSONResponse({"status": "unavailable", "database": "unreachable"}, status_code=503)

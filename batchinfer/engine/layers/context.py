@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from batchinfer.engine.layers.attention import TorchAttentionPlan
+    from batchinfer.engine.layers.attention_plan import TorchAttentionPlan
 
 
 @dataclass
 class AttentionContext:
-    """Batch layout of one step (shared contract 3/4 names).
+    """Batch layout of one step, T packed new tokens of S sequences (ARCHITECTURE.md, contract 3).
 
     slot_mapping  [T] int64   cache slot of each new token (block_id * block_size + offset), -1 = skip
     cu_seqlens_q  [S+1] int32 sequence s owns packed tokens cu_seqlens_q[s] : cu_seqlens_q[s+1]

@@ -95,10 +95,10 @@ static void item_avx2(const float* qrow, int64_t q_h, const float* kp, const flo
 }
 #endif
 
-static void item_generic(const float* qrow, int64_t q_h, const float* kp, const float* vp, const int32_t* table,
-                         int64_t L, int64_t G, int64_t D, int64_t BS, int64_t row, int64_t block_stride,
-                         int64_t hk_off, float scale, float* scores, float* inv_sum, float* acc, float* op,
-                         int64_t o_h) {
+static void item_generic(const float* qrow, int64_t q_h, const float* kp, const float* vp,
+                         const int32_t* table, int64_t L, int64_t G, int64_t D, int64_t BS, int64_t row,
+                         int64_t block_stride, int64_t hk_off, float scale, float* scores, float* inv_sum,
+                         float* acc, float* op, int64_t o_h) {
   for (int64_t t = 0; t < L; ++t) {
     const float* k = kp + table[t / BS] * block_stride + (t % BS) * row + hk_off;
     for (int64_t g = 0; g < G; ++g) {

@@ -44,9 +44,9 @@ def _divide(numerator: int, denominator: int) -> int:
 
 
 class LinearBase(nn.Module):
-    """y = x @ W.T (+ b); W is [output_size, input_size] as in nn.Linear. tp_dim: the dim split across ranks."""
+    """y = x @ W.T (+ b); W is [output_size, input_size] as in nn.Linear; tp_dim is split across ranks."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int) -> None:
         super().__init__()
         self.tp_dim = tp_dim
         self.tp_rank = tp_rank()
@@ -62,7 +62,7 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
         """Copy this rank's slice of a checkpoint tensor into param."""
-        if self.tp_dim is not None and self.tp_size > 1 and param.dim() > self.tp_dim:
+        if self.tp_size > 1 and param.dim() > self.tp_dim:  # a row-parallel bias is not split
             shard = param.size(self.tp_dim)
             expected = list(param.shape)
             expected[self.tp_dim] *= self.tp_size
@@ -89,15 +89,10 @@ def _take_rows(loaded: Any, shard_index: int, num_shards: int, size: int, dst: t
 
 def _checked_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"checkpoint tensor has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
+        raise ValueError(
+            f"checkpoint tensor has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}"
+        )
     dst.copy_(src)
-
-
-class ReplicatedLinear(LinearBase):
-    """The same full matrix on every rank."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, output_size, bias, tp_dim=None)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -118,7 +113,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """Load checkpoint projection number shard_id into its rows of the fused matrix."""
         if shard_id is None:
             if self.tp_size > 1:
-                raise ValueError("a fused gate/up checkpoint tensor cannot be split across tensor-parallel ranks")
+                raise ValueError(
+                    "a fused gate/up checkpoint tensor cannot be split across tensor-parallel ranks"
+                )
             return super().weight_loader(param, loaded)
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size

@@ -110,7 +110,11 @@ class RotaryEmbedding(nn.Module):
     """Applies rotary embeddings to packed q [T, H, D] and k [T, Hkv, D] at the given absolute positions."""
 
     def __init__(
-        self, head_dim: int, max_position: int, params: dict[str, Any], max_position_embeddings: int | None = None
+        self,
+        head_dim: int,
+        max_position: int,
+        params: dict[str, Any],
+        max_position_embeddings: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -125,8 +129,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, rotary_dim / 2] of the given positions (computed once per step, for all layers)."""
-        return self.cos_cache[positions].unsqueeze(1).to(dtype), self.sin_cache[positions].unsqueeze(1).to(dtype)
+        """cos and sin [T, 1, rotary_dim / 2] of the given positions (once per step, for all layers)."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        return cos, self.sin_cache[positions].unsqueeze(1).to(dtype)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -151,4 +156,5 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def get_rope(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbedding:
     """The rotary embedding of a Llama-family config, precomputed for positions [0, max_position)."""
-    return RotaryEmbedding(head_dim, max_position, rope_settings(hf_config), hf_config.max_position_embeddings)
+    settings = rope_settings(hf_config)
+    return RotaryEmbedding(head_dim, max_position, settings, hf_config.max_position_embeddings)

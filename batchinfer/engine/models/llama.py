@@ -56,14 +56,17 @@ class LlamaAttention(nn.Module):
         self.head_dim = _head_dim(config)
         qkv_bias, o_bias = _attention_biases(config)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, qkv_bias
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            qkv_bias,
         )
         # This rank's heads (tensor parallelism splits Q heads, and splits or replicates KV heads).
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, o_bias
+        )
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
@@ -85,7 +88,9 @@ class LlamaMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias
+        )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
         self.act_fn = SiluAndMul()
 
@@ -105,7 +110,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual); their sum is the layer's output."""
         if residual is None:

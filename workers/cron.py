@@ -3,21 +3,21 @@
 Celery beat calls `tick` every minute (task batchinfer.schedule_tick); without a broker `batchinfer
 scheduler` runs the same loop in-process. Every step is safe to repeat: slots are claimed by a unique
 row, job submission carries an idempotency key derived from the slot, outputs are written to a temp
-file and renamed, and webhooks are delivered from an outbox table until one attempt succeeds.
+file and renamed, and webhooks are delivered from an outbox table (workers.webhooks).
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
-import hmac
 import logging
 import os
 import tempfile
+import threading
 import time
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
 import httpx
@@ -26,30 +26,26 @@ import orjson
 from batchinfer.config import Settings, get_settings
 from batchinfer.store import schedules as store
 from batchinfer.store.db import session_factory
-from batchinfer.store.jobs import export_results, get_job, submit_job
-from batchinfer.store.models import Schedule, ScheduleRun, ScheduleRunStatus, utcnow
+from batchinfer.store.export import export_results
+from batchinfer.store.jobs import get_job
+from batchinfer.store.models import (
+    JOB_TERMINAL_STATUSES,
+    JobStatus,
+    Schedule,
+    ScheduleRun,
+    ScheduleRunStatus,
+    utcnow,
+)
+from workers.dispatch import submit_and_announce
+from workers.webhooks import deliver_webhooks, enqueue_run_webhook
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 logger = logging.getLogger("batchinfer.scheduler")
 
-SIGNATURE_HEADER = "X-Batchinfer-Signature"
-TIMESTAMP_HEADER = "X-Batchinfer-Timestamp"
-WEBHOOK_MAX_ATTEMPTS = 8
-WEBHOOK_BASE_DELAY_S = 30.0
-_FINISHED_JOB = {"completed", "failed", "cancelled", "expired"}
 
-
-def sign(secret: str, timestamp: str, body: bytes) -> str:
-    """The signature header value: sha256=HMAC-SHA256(secret, "<timestamp>.<body>") in hex."""
-    digest = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
-    return f"sha256={digest}"
-
-
-def verify(secret: str, timestamp: str, body: bytes, signature: str) -> bool:
-    """Check a webhook signature in constant time (what a receiver does)."""
-    return hmac.compare_digest(sign(secret, timestamp, body), signature)
-
-
-def tick(*, app: Any = None, settings: Settings | None = None, now: datetime | None = None,
+def tick(*, app: Celery | None = None, settings: Settings | None = None, now: datetime | None = None,
          client: httpx.Client | None = None) -> int:
     """One pass: start due slots, finish runs whose job ended, deliver due webhooks; returns runs started."""
     settings = settings or get_settings()
@@ -74,7 +70,7 @@ def tick(*, app: Any = None, settings: Settings | None = None, now: datetime | N
     return started
 
 
-def run_now(*, name: str, settings: Settings | None = None, app: Any = None,
+def run_now(*, name: str, settings: Settings | None = None, app: Celery | None = None,
             now: datetime | None = None) -> ScheduleRun:
     """Start a manual run of a schedule for the current time (it does not move the cron slots)."""
     settings = settings or get_settings()
@@ -87,37 +83,38 @@ def run_now(*, name: str, settings: Settings | None = None, app: Any = None,
     return start_run(run=run, schedule=schedule, settings=settings, app=app, now=now)
 
 
-def start_run(*, run: ScheduleRun, schedule: Schedule, settings: Settings, app: Any = None,
+def start_run(*, run: ScheduleRun, schedule: Schedule, settings: Settings, app: Celery | None = None,
               now: datetime | None = None) -> ScheduleRun:
     """Resolve the input file of the run's slot and submit it as a job (or record why not)."""
     sessions = session_factory(settings.effective_database_url)
     slot_local = run.slot_at.astimezone(ZoneInfo(schedule.timezone))
     pattern = store.render_template(schedule.input_template, slot_local, name=schedule.name)
-    matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else ([pattern] if Path(pattern).is_file() else [])
+    if glob.has_magic(pattern):
+        matches = sorted(glob.glob(pattern))
+    else:
+        matches = [pattern] if Path(pattern).is_file() else []
     if not matches:
         logger.warning("schedule %s slot %s: input %s not found", schedule.name, run.slot_at, pattern)
         with sessions() as session:
-            run = store.update_run(session, run_id=run.id, status=ScheduleRunStatus.FAILED, input_path=pattern,
-                                   error=f"input file not found: {pattern}", finished_at=now or utcnow())
-        _enqueue_webhook(settings, run, schedule, job=None, now=now)
+            run = store.update_run(session, run_id=run.id, status=ScheduleRunStatus.FAILED,
+                                   input_path=pattern, error=f"input file not found: {pattern}",
+                                   finished_at=now or utcnow())
+        enqueue_run_webhook(settings, run, schedule, job=None, now=now)
         return run
     path, temporary = _prepare_input(matches, schedule.params)
     try:
         with sessions() as session:
-            job = submit_job(session, path=path, model=schedule.model, owner=schedule.owner,
-                             idempotency_key=f"schedule-{schedule.id}-{run.slot_at.isoformat()}",
-                             metadata={"schedule": schedule.name, "slot": run.slot_at.isoformat()})
-            job_id, status = job.id, job.status
+            job = submit_and_announce(
+                session=session, settings=settings, app=app, path=path, model=schedule.model,
+                owner=schedule.owner, idempotency_key=f"schedule-{schedule.id}-{run.slot_at.isoformat()}",
+                metadata={"schedule": schedule.name, "slot": run.slot_at.isoformat()})
+            job_id = job.id
     finally:
         if temporary:
             os.unlink(path)
     with sessions() as session:
         run = store.update_run(session, run_id=run.id, status=ScheduleRunStatus.SUBMITTED, job_id=job_id,
                                input_path=",".join(matches))
-    if status == "in_progress" and settings.broker_url:
-        from workers.dispatch import dispatch_job
-
-        dispatch_job(job_id=job_id, settings=settings, app=app)
     logger.info("schedule %s slot %s: submitted job %s", schedule.name, run.slot_at, job_id)
     return run
 
@@ -161,7 +158,7 @@ def finish_runs(*, settings: Settings, now: datetime | None = None) -> int:
         with sessions() as session:
             job = get_job(session, job_id=run.job_id)
             schedule = session.get(Schedule, run.schedule_id)
-            if job is None or schedule is None or job.status not in _FINISHED_JOB:
+            if job is None or schedule is None or job.status not in JOB_TERMINAL_STATUSES:
                 continue
             slot_local = run.slot_at.astimezone(ZoneInfo(schedule.timezone))
             output_path = errors_path = None
@@ -171,17 +168,18 @@ def finish_runs(*, settings: Settings, now: datetime | None = None) -> int:
             if schedule.errors_template:
                 errors_path = store.render_template(schedule.errors_template, slot_local, name=schedule.name)
                 write_atomically(Path(errors_path), export_results(session, job_id=job.id, kind="errors"))
-        status = ScheduleRunStatus.COMPLETED if job.status == "completed" else ScheduleRunStatus.FAILED
+        completed = job.status == JobStatus.COMPLETED
+        status = ScheduleRunStatus.COMPLETED if completed else ScheduleRunStatus.FAILED
         with sessions() as session:
             run = store.update_run(session, run_id=run.id, status=status, output_path=output_path,
                                    errors_path=errors_path, finished_at=now or utcnow(),
-                                   error=None if status == ScheduleRunStatus.COMPLETED else f"job {job.status}")
-        _enqueue_webhook(settings, run, schedule, job=job, now=now)
+                                   error=None if completed else f"job {job.status}")
+        enqueue_run_webhook(settings, run, schedule, job=job, now=now)
         finished += 1
     return finished
 
 
-def write_atomically(path: Path, lines: Any) -> int:
+def write_atomically(path: Path, lines: Iterable[bytes]) -> int:
     """Write lines to a temp file beside `path`, fsync, then rename: readers see all of it or nothing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -201,66 +199,8 @@ def write_atomically(path: Path, lines: Any) -> int:
     return count
 
 
-def _enqueue_webhook(settings: Settings, run: ScheduleRun, schedule: Schedule, *, job: Any,
-                     now: datetime | None = None) -> None:
-    if not schedule.webhook_url:
-        return
-    payload = {
-        "schedule": schedule.name,
-        "slot": run.slot_at.isoformat(),
-        "run_id": run.id,
-        "status": str(run.status),
-        "error": run.error,
-        "job_id": job.batch_id if job is not None else None,
-        "job_status": str(job.status) if job is not None else None,
-        "request_counts": job.request_counts if job is not None else None,
-        "usage": job.usage if job is not None else None,
-        "output_path": run.output_path,
-        "errors_path": run.errors_path,
-    }
-    with session_factory(settings.effective_database_url)() as session:
-        store.enqueue_webhook(session, run=run, url=schedule.webhook_url, payload=orjson.dumps(payload), now=now)
-
-
-def deliver_webhooks(*, settings: Settings, now: datetime | None = None, client: httpx.Client | None = None) -> int:
-    """POST due webhooks with their signature; failures are retried later with backoff. Returns delivered."""
-    now = now or utcnow()
-    sessions = session_factory(settings.effective_database_url)
-    with sessions() as session:
-        due = [(d.id, d.url, d.payload.encode(), _secret(session, d.run_id)) for d in store.due_webhooks(session, now=now)]
-    if not due:
-        return 0
-    owns_client = client is None
-    client = client or httpx.Client(timeout=10.0)
-    delivered = 0
-    try:
-        for delivery_id, url, body, secret in due:
-            timestamp = str(int(time.time()))
-            headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: timestamp}
-            if secret:
-                headers[SIGNATURE_HEADER] = sign(secret, timestamp, body)
-            try:
-                response = client.post(url, content=body, headers=headers)
-                ok, error = response.is_success, None if response.is_success else f"HTTP {response.status_code}"
-            except httpx.HTTPError as exc:
-                ok, error = False, f"{type(exc).__name__}: {exc}"
-            with sessions() as session:
-                store.record_webhook_attempt(session, delivery_id=delivery_id, ok=ok, error=error, now=now,
-                                             max_attempts=WEBHOOK_MAX_ATTEMPTS, base_delay_s=WEBHOOK_BASE_DELAY_S)
-            delivered += ok
-    finally:
-        if owns_client:
-            client.close()
-    return delivered
-
-
-def _secret(session: Any, run_id: int) -> str | None:
-    run = session.get(ScheduleRun, run_id)
-    schedule = session.get(Schedule, run.schedule_id) if run is not None else None
-    return schedule.webhook_secret if schedule is not None else None
-
-
-def scheduler_loop(*, settings: Settings | None = None, stop: Any, interval_s: float = 60.0) -> None:
+def scheduler_loop(*, settings: Settings | None = None, stop: threading.Event,
+                   interval_s: float = 60.0) -> None:
     """`batchinfer scheduler`: tick once a minute (at the minute) until `stop` is set."""
     settings = settings or get_settings()
     while not stop.is_set():

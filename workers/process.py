@@ -10,13 +10,16 @@ import logging
 import os
 import socket
 import threading
-import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchinfer.config import Settings, get_settings
 from batchinfer.store import shards as shard_store
+from batchinfer.store import workers as worker_store
 from batchinfer.store.db import session_factory
 from workers.runner import ProgressCallback, RunStats, ShardRunner
+
+if TYPE_CHECKING:
+    from batchinfer.engine.llm_engine import Engine
 
 logger = logging.getLogger("batchinfer.workers")
 
@@ -25,6 +28,8 @@ _process_runner: ShardRunner | None = None
 # The model this process serves; `batchinfer worker --model` sets it before the Celery worker starts.
 process_model: str | None = None
 process_engine_overrides: dict[str, Any] = {}
+# Set when the worker begins a warm shutdown (SIGTERM): runners stop claiming and hand shards back.
+shutdown_requested = threading.Event()
 
 
 def worker_id_for(model: str) -> str:
@@ -32,7 +37,7 @@ def worker_id_for(model: str) -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{model}"
 
 
-def build_engine(model: str, settings: Settings, **overrides: Any) -> Any:
+def build_engine(model: str, settings: Settings, **overrides: Any) -> Engine:
     """Load the engine for `model` with the settings' engine knobs (overrides win)."""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.llm_engine import Engine
@@ -41,7 +46,7 @@ def build_engine(model: str, settings: Settings, **overrides: Any) -> Any:
     return Engine(EngineConfig(model=model, **kwargs))
 
 
-def make_runner(*, model: str, settings: Settings | None = None, engine: Any = None,
+def make_runner(*, model: str, settings: Settings | None = None, engine: Engine | None = None,
                 **engine_overrides: Any) -> ShardRunner:
     """A ShardRunner over a new (or the given) engine, registered in the worker table."""
     settings = settings or get_settings()
@@ -49,8 +54,8 @@ def make_runner(*, model: str, settings: Settings | None = None, engine: Any = N
     sessions = session_factory(settings.effective_database_url)
     worker_id = worker_id_for(model)
     with sessions() as session:
-        shard_store.register_worker(session, worker_id=worker_id, model=model, hostname=socket.gethostname(),
-                                    pid=os.getpid())
+        worker_store.register_worker(session, worker_id=worker_id, model=model,
+                                     hostname=socket.gethostname(), pid=os.getpid())
     return ShardRunner(engine=engine, sessions=sessions, model=model, worker_id=worker_id, settings=settings)
 
 
@@ -63,6 +68,14 @@ def process_worker() -> ShardRunner:
             model = process_model or settings.default_model
             _process_runner = make_runner(model=model, settings=settings, **process_engine_overrides)
         return _process_runner
+
+
+def run_process_shard(shard_id: int) -> RunStats:
+    """Claim `shard_id` (a no-op if it is taken), then keep this process's engine busy until no shard is left.
+
+    What the Celery task run_shard does; `shutdown_requested` (a warm shutdown) hands held shards back.
+    """
+    return process_worker().work(first_shard_id=shard_id, stop=shutdown_requested)
 
 
 def rescue_once(settings: Settings | None = None) -> shard_store.RescueReport:
@@ -88,18 +101,8 @@ def poll_forever(runner: ShardRunner, *, stop: threading.Event, max_backoff_s: f
             backoff = 0.2
             continue
         with runner.sessions() as session:
-            shard_store.worker_heartbeat(session, worker_id=runner.worker_id)
+            worker_store.worker_heartbeat(session, worker_id=runner.worker_id)
         stop.wait(backoff)
         backoff = min(max_backoff_s, backoff * 2)
     with runner.sessions() as session:
-        shard_store.deregister_worker(session, worker_id=runner.worker_id)
-
-
-def wait_until(predicate: Any, *, timeout_s: float, interval_s: float = 0.05) -> bool:
-    """Poll `predicate()` until it is true or the timeout passes (used by tests and `--wait`)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return bool(predicate())
+        worker_store.deregister_worker(session, worker_id=runner.worker_id)

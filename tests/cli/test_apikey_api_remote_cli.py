@@ -12,8 +12,36 @@ from batchinfer.api.app import create_app
 from batchinfer.cli.api_cmd import api
 from batchinfer.cli.apikey_cmd import apikey
 from batchinfer.cli.remote import RemoteClient, RemoteError
-from tests.api.conftest import TEST_MODEL
+from batchinfer.config import Settings
+from batchinfer.store.apikeys import create_key
+from batchinfer.store.db import session_factory, upgrade
+from tests.api.conftest import TEST_MODEL, make_settings
 from tests.api.helpers import FixedOutputWorker, chat_line, completion_line, jsonl, serve
+
+
+@pytest.fixture
+def api_settings(tmp_path: Path, sqlite_url: str) -> Settings:
+    """Settings of a server on a migrated, empty SQLite database (as in tests/api)."""
+    upgrade(sqlite_url)
+    return make_settings(tmp_path, sqlite_url)
+
+
+@pytest.fixture
+def factory(api_settings: Settings):
+    """Sessions on the server's database."""
+    return session_factory(api_settings.effective_database_url)
+
+
+@pytest.fixture
+def make_key(factory):
+    """Create an API key: make_key(name, owner=None) -> (plaintext, key id)."""
+
+    def make(name: str, owner: str | None = None) -> tuple[str, int]:
+        with factory() as session:
+            plaintext, row = create_key(session, name=name, owner=owner)
+            return plaintext, row.id
+
+    return make
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the engine, with vLLM's names under the prefix `batchinfer:`.
+"""The engine's figures: EngineStats for get_stats(), and Prometheus metrics with vLLM's names under the
+prefix `batchinfer:`, folded in once per step by MetricsRecorder.
 
 Labelled children are bound once per model in `EngineMetrics.__init__`, so a step costs a handful of
 `inc`/`set`/`observe` calls and no label lookups. `StatLogger` prints vLLM's periodic throughput line.
@@ -11,8 +12,14 @@ import logging
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from batchinfer.engine.block_manager import BlockManager
+    from batchinfer.engine.outputs import RequestOutput
+    from batchinfer.engine.scheduler import Scheduler
 
 logger = logging.getLogger("batchinfer.engine")
 
@@ -21,6 +28,27 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISHED_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class EngineStats:
+    """Figures for metrics: queue sizes, KV usage, prefix cache and token counters (totals since start)."""
+
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float  # 0..1
+    prefix_cache_queries: int  # tokens (vLLM semantics)
+    prefix_cache_hits: int  # tokens
+    prefix_cache_block_queries: int
+    prefix_cache_block_hits: int
+    num_preemptions: int
+    prompt_tokens: int  # prompt tokens computed (a preempted request's recompute counts again)
+    generation_tokens: int  # tokens sampled
+    step_prompt_tokens: int  # the same two figures for the last step only
+    step_generation_tokens: int
+    num_steps: int
 
 
 @dataclass(slots=True)
@@ -56,33 +84,32 @@ class _Families:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         labels = ["model_name"]
-        self.running = Gauge(f"{PREFIX}num_requests_running", "Requests in the running batch.", labels,
-                             registry=registry)
-        self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting to be scheduled.", labels,
-                             registry=registry)
-        self.kv_usage = Gauge(f"{PREFIX}kv_cache_usage_perc", "KV cache usage, 1 = full.", labels,
-                              registry=registry)
-        self.prefix_queries = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      labels, registry=registry)
-        self.prefix_hits = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                                   labels, registry=registry)
-        self.preemptions = Counter(f"{PREFIX}num_preemptions", "Sequences preempted (recomputed later).", labels,
-                                   registry=registry)
-        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens computed.", labels, registry=registry)
-        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", labels,
-                                         registry=registry)
-        self.request_success = Counter(f"{PREFIX}request_success", "Finished requests by reason.",
-                                       [*labels, "finished_reason"], registry=registry)
-        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Arrival to first token.", labels,
-                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Time between two tokens of a request.",
-                             labels, buckets=LATENCY_BUCKETS, registry=registry)
-        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Arrival to finish.", labels,
-                             buckets=LATENCY_BUCKETS, registry=registry)
-        self.queue = Histogram(f"{PREFIX}request_queue_time_seconds", "Arrival to first scheduled.", labels,
-                               buckets=LATENCY_BUCKETS, registry=registry)
-        self.iteration_tokens = Histogram(f"{PREFIX}iteration_tokens_total", "Tokens computed per engine step.",
-                                          labels, buckets=TOKEN_BUCKETS, registry=registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"{PREFIX}{name}", doc, labels, registry=registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"{PREFIX}{name}", doc, [*labels, *extra], registry=registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"{PREFIX}{name}", doc, labels, buckets=buckets, registry=registry)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage, 1 = full.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (recomputed later).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter("request_success", "Finished requests by reason.",
+                                       ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
+                                          TOKEN_BUCKETS)
 
 
 _FAMILIES: dict[int, _Families] = {}
@@ -109,7 +136,9 @@ class EngineMetrics:
         self._preemptions = fam.preemptions.labels(model_name)
         self._prompt_tokens = fam.prompt_tokens.labels(model_name)
         self._generation_tokens = fam.generation_tokens.labels(model_name)
-        self._success = {reason: fam.request_success.labels(model_name, reason) for reason in FINISHED_REASONS}
+        self._success = {
+            reason: fam.request_success.labels(model_name, reason) for reason in FINISHED_REASONS
+        }
         self._ttft = fam.ttft.labels(model_name)
         self._itl = fam.itl.labels(model_name)
         self._e2e = fam.e2e.labels(model_name)
@@ -205,3 +234,80 @@ class StatLogger:
         self.log.info(line)
         self._reset(now)
         return line
+
+
+class MetricsRecorder:
+    """An engine's token counters (for get_stats) and their fold into EngineMetrics and the StatLogger.
+
+    The engine counts each step's tokens with count_tokens and calls record_step once per step and
+    record_finished once per finished request; prefix-cache and preemption counters are read from the
+    block manager and the scheduler, and only their growth since the last step is folded in.
+    """
+
+    def __init__(self, model_name: str, scheduler: Scheduler, block_manager: BlockManager) -> None:
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.metrics = EngineMetrics(model_name)
+        self.stat_logger = StatLogger()
+        self.prompt_tokens = self.generation_tokens = self.num_steps = 0
+        self.step_prompt_tokens = self.step_generation_tokens = 0
+        self._reported = (0, 0, 0)  # prefix queries, hits, preemptions already folded into the metrics
+
+    def count_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+        """This step's computed prompt tokens and sampled tokens; the totals grow by as much."""
+        self.step_prompt_tokens, self.step_generation_tokens = prompt_tokens, generation_tokens
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += generation_tokens
+
+    def record_step(self, time_to_first_tokens: list[float], inter_token_latencies: list[float]) -> None:
+        """Fold this step into the Prometheus metrics and the periodic log line (a few O(1) updates)."""
+        cache, scheduler = self.block_manager.stats, self.scheduler
+        queries, hits, preemptions = cache.queries, cache.hits, scheduler.num_preemptions
+        seen_queries, seen_hits, seen_preemptions = self._reported
+        self._reported = (queries, hits, preemptions)
+        stats = StepStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_cache_usage=self.block_manager.usage,
+            num_prompt_tokens=self.step_prompt_tokens,
+            num_generation_tokens=self.step_generation_tokens,
+            prefix_cache_queries=queries - seen_queries,
+            prefix_cache_hits=hits - seen_hits,
+            num_preemptions=preemptions - seen_preemptions,
+            time_to_first_tokens=time_to_first_tokens,
+            inter_token_latencies=inter_token_latencies,
+        )
+        self.metrics.record_step(stats)
+        self.stat_logger.record_step(stats)
+
+    def record_finished(self, output: RequestOutput) -> None:
+        """Count a finished (or aborted) request and observe its latencies."""
+        self.metrics.record_finished(FinishedRequestStats(
+            finished_reason=output.outputs[0].finish_reason or "stop",
+            arrival_time=output.metrics.arrival_time,
+            first_scheduled_time=output.metrics.first_scheduled_time,
+            finished_time=output.metrics.finished_time or time.time(),
+            num_prompt_tokens=len(output.prompt_token_ids),
+            num_generation_tokens=sum(len(c.token_ids) for c in output.outputs),
+        ))
+
+    def engine_stats(self) -> EngineStats:
+        """The figures as of now."""
+        bm, cache = self.block_manager, self.block_manager.stats
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_used_blocks=bm.num_used_blocks,
+            num_total_blocks=bm.num_total_blocks,
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=cache.queries,
+            prefix_cache_hits=cache.hits,
+            prefix_cache_block_queries=cache.block_queries,
+            prefix_cache_block_hits=cache.block_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            step_prompt_tokens=self.step_prompt_tokens,
+            step_generation_tokens=self.step_generation_tokens,
+            num_steps=self.num_steps,
+        )

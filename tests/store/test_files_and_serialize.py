@@ -1,4 +1,4 @@
-"""The API's store helpers on their own: staged uploads (sync and async), file rows, public ids, serializers."""
+"""Store helpers the API is built on: staged uploads (sync and async), file rows, public ids, serializers."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from batchinfer.store.serialize import (
 LINE = b'{"custom_id": "a", "prompt": "hi"}\n'
 
 
-def test_stage_upload_sync_and_async_then_register(factory, tmp_path: Path):
+def test_stage_upload_sync_and_async_then_register(make_session, tmp_path: Path):
     staged = file_store.stage_upload([LINE[:5], LINE[5:], LINE], data_dir=tmp_path, max_bytes=1000)
     assert staged.size == 2 * len(LINE) and staged.tmp_path.read_bytes() == 2 * LINE
 
@@ -32,7 +32,7 @@ def test_stage_upload_sync_and_async_then_register(factory, tmp_path: Path):
             yield piece
 
     staged_async = asyncio.run(file_store.stage_upload_async(chunks(), data_dir=tmp_path, max_bytes=1000))
-    with factory() as session:
+    with make_session() as session:
         first = file_store.create_file(session, owner="o", staged=staged, filename="a.jsonl")
         second = file_store.create_file(session, owner="o", staged=staged_async, filename="b.jsonl")
         assert Path(first.path).name == f"file-{first.id}.jsonl" and Path(first.path).read_bytes() == 2 * LINE
@@ -44,7 +44,8 @@ def test_stage_upload_sync_and_async_then_register(factory, tmp_path: Path):
         assert file_store.get_file(session, owner="someone-else", file_id=first.id) is None
         assert not file_store.delete_file(session, owner="someone-else", file_id=first.id)
         assert file_store.delete_file(session, owner="o", file_id=first.id)
-        assert not Path(first.path).exists() and file_store.get_file(session, owner="o", file_id=first.id) is None
+        assert not Path(first.path).exists()
+        assert file_store.get_file(session, owner="o", file_id=first.id) is None
         with pytest.raises(ValueError, match="purpose"):
             file_store.create_file(session, owner="o", staged=staged_async, filename="c", purpose="fine-tune")
 
@@ -58,8 +59,8 @@ def test_stage_upload_sync_and_async_then_register(factory, tmp_path: Path):
 ])
 def test_stage_upload_refuses_and_leaves_nothing(tmp_path: Path, chunks, error, says):
     with pytest.raises(error, match=says):
-        file_store.stage_upload(chunks, data_dir=tmp_path, max_bytes=100 if error is file_store.FileTooLarge else
-                                10_000, max_line_bytes=200)
+        max_bytes = 100 if error is file_store.FileTooLarge else 10_000
+        file_store.stage_upload(chunks, data_dir=tmp_path, max_bytes=max_bytes, max_line_bytes=200)
     assert list(file_store.files_dir(tmp_path).iterdir()) == []
 
 
@@ -90,7 +91,8 @@ def test_batch_object_matches_openai_and_reports_progress():
     job = _job()
     now = job.in_progress_at + timedelta(seconds=10)
     batch = batch_object(job, now=now)
-    assert batch["id"] == "batch_3" and batch["input_file_id"] == "file-9" and batch["status"] == "in_progress"
+    assert batch["id"] == "batch_3" and batch["input_file_id"] == "file-9"
+    assert batch["status"] == "in_progress"
     assert batch["created_at"] == 1704067200 and batch["expires_at"] == 1704067200 + 86400
     assert batch["errors"] == {"object": "list", "data": [{"code": "invalid_json", "line": 2,
                                                            "message": "line 2: bad", "param": None}]}

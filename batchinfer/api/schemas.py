@@ -1,0 +1,154 @@
+"""Request and response bodies of the REST API: OpenAI's Batch and File objects, plus our extensions.
+
+The routes return plain dicts built by batchinfer.store.serialize; these models are what FastAPI
+validates them against and what /docs and schema-driven clients see.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CreateBatchRequest(BaseModel):
+    """OpenAI's create-batch body, plus `model` (the model to run; default: the server's default model)."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), json_schema_extra={"examples": [
+        {"input_file_id": "file-1", "endpoint": "/v1/chat/completions", "completion_window": "24h"}]})
+
+    input_file_id: str = Field(max_length=64, examples=["file-1"])
+    endpoint: str | None = Field(max_length=64, examples=["/v1/chat/completions"], description=(
+        "/v1/chat/completions or /v1/completions: every line must use it. Extension: omitted or null, each "
+        "line may use either (what `batchinfer submit --server` sends for a mixed file)."))
+    completion_window: str = Field("24h", max_length=16,
+                                   description="OpenAI accepts only '24h'; also <n>s|m|h|d")
+    metadata: dict[str, str] | None = Field(None, examples=[{"team": "nlp"}])
+    model: str | None = Field(None, max_length=256, description="Extension: the model to run this batch on.")
+
+
+class BatchErrorItem(BaseModel):
+    """One entry of a batch's errors: a line-numbered problem of its input file."""
+
+    code: str | None = None
+    line: int | None = None
+    message: str | None = None
+    param: str | None = None
+
+
+class BatchErrors(BaseModel):
+    """OpenAI's list of a batch's errors."""
+
+    object: Literal["list"] = "list"
+    data: list[BatchErrorItem]
+
+
+class RequestCounts(BaseModel):
+    """How many of the batch's requests there are, succeeded and failed."""
+
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchProgress(BaseModel):
+    """Extension: how far the batch is (OpenAI clients ignore it)."""
+
+    fraction: float
+    tokens_per_second: float | None = None
+    eta_seconds: float | None = None
+
+
+class BatchObject(BaseModel):
+    """OpenAI's Batch object (+ `model` and the `progress` extension)."""
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str | None  # null: a batch whose lines may use either endpoint (extension)
+    model: str | None = None
+    errors: BatchErrors | None = None
+    input_file_id: str | None
+    completion_window: str
+    status: str
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None = None
+    usage: dict[str, Any]
+    progress: BatchProgress
+
+
+class BatchList(BaseModel):
+    """OpenAI's list of batches, newest first."""
+
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class FileObject(BaseModel):
+    """OpenAI's File object."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    expires_at: int | None = None
+    filename: str
+    purpose: str
+    status: str = "processed"
+    status_details: str | None = None
+
+
+class FileList(BaseModel):
+    """OpenAI's list of files."""
+
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class DeletedFile(BaseModel):
+    """OpenAI's answer to a file deletion."""
+
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+# The multipart body of POST /v1/files, for /docs (the route parses the raw stream itself: see uploads.py).
+UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "examples": [{"file": '{"custom_id": "a", "prompt": "Hello"}\n', "purpose": "batch"}],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary",
+                                 "description": "A JSONL batch input file.",
+                                 "examples": ['{"custom_id": "a", "prompt": "Hello"}\n']},
+                        "purpose": {"type": "string", "enum": ["batch"]},
+                    },
+                }
+            }
+        },
+    }
+}

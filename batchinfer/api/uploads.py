@@ -1,0 +1,176 @@
+"""Multipart uploads, parsed from the raw request stream (POST /v1/files).
+
+A file never sits in memory or in a temp spool: its part is written straight to its final directory
+(in ~1 MiB writes, in a worker thread), and an upload over the limit is refused as soon as it crosses
+it (or before reading, when Content-Length already says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import anyio
+from fastapi import Request
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from batchinfer.api.errors import APIError, bad_request
+from batchinfer.config import Settings
+from batchinfer.store import files as file_store
+
+WRITE_BYTES = 1 << 20  # file data is handed to the writer thread in pieces of about this size
+MAX_FIELD_BYTES = 4096
+MULTIPART_OVERHEAD_BYTES = 64 * 1024  # Content-Length slack over max_upload_bytes before refusing upfront
+DEFAULT_FILENAME = "upload.jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """A received upload: the staged file (not registered yet), its client-side name and its purpose."""
+
+    staged: file_store.StagedUpload
+    filename: str
+    purpose: str
+
+
+async def receive_upload(request: Request, settings: Settings) -> Upload:
+    """Check the headers, stream the body to a staged file; 400 / 413 (OpenAI shape) when it is unusable."""
+    content_type, _ = parse_options_header(request.headers.get("content-type"))
+    if content_type != b"multipart/form-data":
+        raise bad_request("Content-Type must be multipart/form-data with the fields 'file' (a JSONL file) "
+                          "and 'purpose' ('batch').", param="file")
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES:
+        raise _too_large(settings.max_upload_bytes)
+    form = StreamingForm(settings)
+    staged = await form.parse(request)
+    if staged is None:
+        raise bad_request("Missing required parameter: 'file' (a JSONL file).", param="file")
+    try:
+        check_purpose(form.fields.get("purpose"), required=True)
+    except BaseException:
+        staged.tmp_path.unlink(missing_ok=True)
+        raise
+    return Upload(staged, form.filename or DEFAULT_FILENAME, form.fields["purpose"])
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"File is too large: the limit is {max_bytes} bytes.", param="file",
+                    code="file_too_large")
+
+
+class StreamingForm:
+    """A multipart/form-data body parsed as it arrives: small fields kept, the file part streamed to disk.
+
+    The on_* methods are python-multipart's parser callbacks.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.fields: dict[str, str] = {}
+        self.filename: str | None = None
+        self.writer: file_store.UploadWriter | None = None
+        self._header_name = bytearray()
+        self._header_value = bytearray()
+        self._disposition = b""
+        self._name = ""
+        self._in_file = False
+        self._value = bytearray()
+        self._file_data = bytearray()
+
+    def on_part_begin(self) -> None:
+        self._disposition, self._name, self._in_file = b"", "", False
+        self._value.clear()
+
+    def on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self._header_name += data[start:end]
+
+    def on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self._header_value += data[start:end]
+
+    def on_header_end(self) -> None:
+        if bytes(self._header_name).lower() == b"content-disposition":
+            self._disposition = bytes(self._header_value)
+        self._header_name.clear()
+        self._header_value.clear()
+
+    def on_headers_finished(self) -> None:
+        _, options = parse_options_header(self._disposition)
+        self._name = options.get(b"name", b"").decode("utf-8", "replace")
+        if b"filename" not in options:
+            return
+        if self._name != "file":
+            raise bad_request(f"Unexpected file field '{self._name}': send the file as the 'file' field.",
+                              param=self._name or None)
+        if self.writer is not None:
+            raise bad_request("Send exactly one file per upload.", param="file")
+        check_purpose(self.fields.get("purpose"), required=False)  # refuse before reading the file
+        self.filename = options[b"filename"].decode("utf-8", "replace").replace("\\", "/").rsplit("/", 1)[-1]
+        self.writer = file_store.UploadWriter(self.settings.data_dir,
+                                              max_bytes=self.settings.max_upload_bytes,
+                                              max_line_bytes=self.settings.max_line_bytes)
+        self._in_file = True
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._in_file:
+            self._file_data += data[start:end]
+            return
+        if len(self._value) + end - start > MAX_FIELD_BYTES:
+            raise bad_request(f"Form field '{self._name}' is longer than {MAX_FIELD_BYTES} bytes.",
+                              param=self._name or None)
+        self._value += data[start:end]
+
+    def on_part_end(self) -> None:
+        if not self._in_file and self._name:
+            self.fields[self._name] = self._value.decode("utf-8", "replace")
+        self._in_file = False
+
+    async def _flush(self, *, force: bool) -> None:
+        if self.writer is not None and (len(self._file_data) >= WRITE_BYTES or (force and self._file_data)):
+            data = bytes(self._file_data)
+            self._file_data.clear()
+            await anyio.to_thread.run_sync(self.writer.write, data)
+
+    async def parse(self, request: Request) -> file_store.StagedUpload | None:
+        """Consume the request body; returns the staged file (None when the body had no file part)."""
+        _, params = parse_options_header(request.headers.get("content-type"))
+        boundary = params.get(b"boundary")
+        if not boundary:
+            raise bad_request("Invalid multipart body: the Content-Type has no boundary.")
+        parser = MultipartParser(boundary, {
+            "on_part_begin": self.on_part_begin, "on_part_data": self.on_part_data,
+            "on_part_end": self.on_part_end, "on_header_field": self.on_header_field,
+            "on_header_value": self.on_header_value, "on_header_end": self.on_header_end,
+            "on_headers_finished": self.on_headers_finished,
+        })
+        try:
+            async for chunk in request.stream():
+                parser.write(chunk)
+                await self._flush(force=False)
+            parser.finalize()
+            await self._flush(force=True)
+            if self.writer is None:
+                return None
+            return file_store.StagedUpload(*await anyio.to_thread.run_sync(self.writer.finish))
+        except BaseException as exc:
+            if self.writer is not None:
+                self.writer.abort()
+            if isinstance(exc, FormParserError):
+                raise bad_request("Invalid multipart body; send multipart/form-data with 'file' and "
+                                  "'purpose'.") from None
+            if isinstance(exc, file_store.FileTooLarge):
+                raise _too_large(exc.max_bytes) from None
+            if isinstance(exc, file_store.InvalidFile):
+                raise bad_request(f"Invalid file: {exc}.", param="file", code="invalid_file") from None
+            raise
+
+
+def check_purpose(purpose: str | None, *, required: bool) -> None:
+    """400 unless `purpose` is one we accept (or absent, when not `required`)."""
+    if purpose is None:
+        if required:
+            raise bad_request("Missing required parameter: 'purpose' (use 'batch').", param="purpose")
+        return
+    if purpose not in file_store.UPLOAD_PURPOSES:
+        raise bad_request(f"Invalid purpose '{purpose[:64]}': this server accepts only 'batch' uploads.",
+                          param="purpose", code="invalid_value")

@@ -1,0 +1,155 @@
+"""The offline API: LLM(model, **engine options).generate(prompts) / .chat(conversations).
+
+It runs an Engine to completion over a whole batch: prompts are admitted in a prefix-aware order (sorted
+by token ids, so prompts sharing a prefix reuse each other's KV blocks), outputs come back in input
+order, and a rich progress bar over finished requests is shown on request.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.llm_engine import Engine
+from batchinfer.engine.outputs import RequestOutput
+from batchinfer.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline batch inference: LLM(model, **engine options).generate(prompts, sampling_params)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        unknown = sorted(set(engine_kwargs) - set(EngineConfig.field_names()))
+        if unknown:
+            raise ValueError(
+                f"{', '.join(unknown)}: unknown engine option; valid: {EngineConfig.field_names()}"
+            )
+        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer."""
+        return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); the LLM is unusable afterwards."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # a single prompt (text or token ids)
+        token_ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                token_ids.append(self.engine.tokenize(prompt))
+            except ValueError as exc:
+                raise ValueError(f"prompts[{i}]: {exc}") from None
+        outputs = self._run(token_ids, sampling_params, use_tqdm=use_tqdm)
+        for output, prompt in zip(outputs, prompts, strict=True):
+            output.prompt = prompt if isinstance(prompt, str) else None
+        return outputs
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"model: {self.engine.config.model!r} has no chat template; use generate()")
+        texts = [
+            tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            for conversation in conversations
+        ]
+        # The template already holds BOS and friends: encode without adding them again.
+        token_ids = [self.engine.tokenize(text, add_special_tokens=False) for text in texts]
+        outputs = self._run(token_ids, sampling_params, use_tqdm=use_tqdm)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text
+        return outputs
+
+    def _run(
+        self,
+        token_ids: list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+        *,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(token_ids):
+                raise ValueError(
+                    f"sampling_params: {len(sampling_params)} given for {len(token_ids)} prompts; "
+                    "pass one, or one per prompt"
+                )
+            params_list = sampling_params
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(token_ids)
+
+        # Prefix-aware order, computed once: prompts sorted by token ids, so prompts sharing a prefix are
+        # admitted next to each other and hit each other's blocks. FCFS afterwards, so nobody starves.
+        order = sorted(range(len(token_ids)), key=token_ids.__getitem__)
+        request_ids = {i: f"llm-{next(self._ids)}" for i in order}
+        added: list[str] = []
+        try:
+            for i in order:
+                self.engine.add_request(request_ids[i], token_ids[i], params_list[i])
+                added.append(request_ids[i])
+        except ValueError as exc:
+            for request_id in added:
+                self.engine.abort(request_id)
+            raise ValueError(f"prompts[{i}]: {exc}") from None
+
+        wanted = set(added)
+        results: dict[str, RequestOutput] = {}
+        with _progress(len(added), enabled=use_tqdm) as advance:
+            while len(results) < len(added):
+                if not self.engine.has_unfinished():
+                    raise RuntimeError("engine drained before every request finished")
+                for output in self.engine.step():
+                    if output.request_id in wanted:
+                        results[output.request_id] = output
+                        advance()
+        return [results[request_ids[i]] for i in range(len(token_ids))]
+
+
+@contextmanager
+def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[], None]]:
+    """A rich progress bar over finished requests, or a no-op."""
+    if not enabled:
+        yield lambda: None
+        return
+    from rich.progress import Progress
+
+    with Progress() as bar:
+        task = bar.add_task("generating", total=total)
+        yield lambda: bar.advance(task)

@@ -1,0 +1,82 @@
+"""ResolvedModel: what EngineConfig.model names, resolved once per engine and handed to the runners.
+
+Resolving means: the local Hugging Face directory (a GGUF or alias is converted once, see loader), its
+config, the context length the engine runs with (validated against the model's position embeddings),
+the tokenizer, and the EOS ids. The Engine resolves; ModelRunner and TensorParallelRunner (and through
+it every worker rank) take the result, so the checks run once and every part sees the same figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchinfer.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The model an engine runs: files, config, context length, tokenizer and EOS ids."""
+
+    path: Path  # local HF-format directory (config.json + *.safetensors)
+    hf_config: Any  # transformers PretrainedConfig of `path`
+    max_model_len: int  # EngineConfig.max_model_len, or the model's max_position_embeddings
+    # EOS ids of the model config, generation_config.json and the tokenizer together (HF generate's set).
+    eos_token_ids: frozenset[int]
+    # None when resolved without one (a runner alone; TP worker ranks): only the engine decodes.
+    tokenizer: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding: token ids must be below this."""
+        return int(self.hf_config.vocab_size)
+
+    def without_tokenizer(self) -> ResolvedModel:
+        """The same model minus the tokenizer (what a TP worker rank is sent: it only runs the model)."""
+        return ResolvedModel(self.path, self.hf_config, self.max_model_len, self.eos_token_ids)
+
+
+def resolve_model(config: EngineConfig, *, with_tokenizer: bool = True) -> ResolvedModel:
+    """Resolve config.model; raises ValueError naming max_model_len before any weight is loaded.
+
+    with_tokenizer=False skips the tokenizer (a ModelRunner built on its own needs none), so the EOS
+    ids then come from the model config and generation_config.json only.
+    """
+    from batchinfer.engine.loader import load_hf_config, load_tokenizer, resolve_model_path
+
+    path = resolve_model_path(config.model)
+    hf_config = load_hf_config(path)
+    max_model_len = _resolve_max_model_len(config, hf_config)
+    tokenizer = load_tokenizer(path) if with_tokenizer else None
+    eos = _eos_token_ids(path, hf_config, tokenizer)
+    return ResolvedModel(path, hf_config, max_model_len, eos, tokenizer)
+
+
+def _resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    model_max = getattr(hf_config, "max_position_embeddings", None)
+    if config.max_model_len is None:
+        if model_max is None:
+            raise ValueError("max_model_len: the model config has no max_position_embeddings; set it")
+        return int(model_max)
+    if model_max is not None and config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings "
+            f"({model_max})"
+        )
+    return config.max_model_len
+
+
+def _eos_token_ids(model_path: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    values = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    if (model_path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        values.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    found: set[int] = set()
+    for value in values:
+        if isinstance(value, int):
+            found.add(value)
+        elif isinstance(value, list | tuple):
+            found.update(v for v in value if isinstance(v, int))
+    return frozenset(found)

@@ -1,0 +1,93 @@
+"""Output and error lines of a batch (OpenAI Batch API): the builders export uses, and their schema.
+
+`response_body` turns a worker's choices into a chat.completion / text_completion object, which the
+requests table stores; `output_line` and `error_line` wrap it (or an error) into a line of the output
+or error file. The pydantic models below state that line's shape; they validate nothing on the hot
+path (building dicts is cheaper) and serve readers and the tests that check export's lines.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel
+
+from batchinfer.formats import Endpoint
+
+
+def response_body(*, endpoint: str, model: str, request_key: int, created: int, choices: list[dict[str, Any]],
+                  prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """A chat.completion / text_completion from a worker's choices ({text, finish_reason, logprobs})."""
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+    if endpoint == Endpoint.CHAT:
+        out_choices = [{"index": c.get("index", i), "message": {"role": "assistant", "content": c["text"]},
+                        "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]}
+                       for i, c in enumerate(choices)]
+        return {"id": f"chatcmpl-batch-{request_key}", "object": "chat.completion", "created": created,
+                "model": model, "choices": out_choices, "usage": usage}
+    out_choices = [{"index": c.get("index", i), "text": c["text"], "logprobs": c.get("logprobs"),
+                    "finish_reason": c["finish_reason"]} for i, c in enumerate(choices)]
+    return {"id": f"cmpl-batch-{request_key}", "object": "text_completion", "created": created,
+            "model": model, "choices": out_choices, "usage": usage}
+
+
+def output_line(*, request_key: int, custom_id: str,
+                body: dict[str, Any] | orjson.Fragment) -> dict[str, Any]:
+    """A success line of the output file (`body` may be pre-serialized JSON as an orjson.Fragment)."""
+    return {"id": f"batch_req_{request_key}", "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": f"req_{request_key}", "body": body}, "error": None}
+
+
+def error_line(*, request_key: int, custom_id: str, code: str, message: str) -> dict[str, Any]:
+    """A line of the error file: same shape as a success line, response null."""
+    return {"id": f"batch_req_{request_key}", "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}
+
+
+# ------------------------------------------------------------------------------- schema of a line
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ResponseBody(BaseModel):
+    id: str
+    object: Literal["chat.completion", "text_completion"]
+    created: int
+    model: str
+    choices: list[dict[str, Any]]
+    usage: Usage
+
+
+class BatchResponse(BaseModel):
+    status_code: int
+    request_id: str
+    body: ResponseBody
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+
+
+class BatchOutputLine(BaseModel):
+    """A line of the output file (response set, error null) or of the error file (response null)."""
+
+    id: str
+    custom_id: str
+    response: BatchResponse | None
+    error: BatchError | None

@@ -1,0 +1,56 @@
+"""Results export: a job's OpenAI batch output and error lines, streamed from the database in input order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Literal
+
+import orjson
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from batchinfer.output_lines import error_line, output_line
+from batchinfer.store.db import end_transaction
+from batchinfer.store.errors import JobError
+from batchinfer.store.models import REQUEST_NOT_RUN_STATUSES, Job, Request, RequestStatus, request_id_for
+from batchinfer.store.transitions import NOT_RUN_ERRORS
+
+ExportKind = Literal["output", "errors"]
+_EXPORT_STATUSES = {
+    "output": (RequestStatus.SUCCEEDED,),
+    "errors": (RequestStatus.ERRORED, *sorted(REQUEST_NOT_RUN_STATUSES)),
+}
+
+
+def export_results(session: Session, *, job_id: int, kind: ExportKind = "output",
+                   chunk_size: int = 10_000) -> Iterator[bytes]:
+    """Yield the OpenAI batch output (kind="output") or error file (kind="errors") lines, in input order.
+
+    Walks the primary key (= input order) in windows of `chunk_size` lines: each query reads at most
+    that many rows whatever the planner's statistics say, and no transaction stays open in between.
+    """
+    if kind not in _EXPORT_STATUSES:
+        raise JobError(f"kind must be 'output' or 'errors', got {kind!r}")
+    statuses = [s.value for s in _EXPORT_STATUSES[kind]]
+    columns = (Request.id, Request.line_number, Request.custom_id, Request.status, Request.response,
+               Request.error_code, Request.error_message)
+    total = session.scalar(select(Job.total_requests).where(Job.id == job_id)) or 0
+    end_transaction(session)
+    base = request_id_for(job_id, 0)  # the job's rows are lines 1..total_requests
+    dumps, fragment, newline = orjson.dumps, orjson.Fragment, orjson.OPT_APPEND_NEWLINE
+    for start in range(0, total, chunk_size):
+        rows = session.execute(select(*columns).where(
+            Request.id > base + start, Request.id <= base + start + chunk_size, Request.status.in_(statuses))
+            .order_by(Request.id)).all()
+        end_transaction(session)
+        for request_id, line_number, custom_id, status, response, code, message in rows:
+            custom_id = custom_id if custom_id is not None else f"line-{line_number}"
+            if kind == "output":
+                yield dumps(output_line(request_key=request_id, custom_id=custom_id, body=fragment(response)),
+                            option=newline)
+            else:
+                if code is None:
+                    code, message = NOT_RUN_ERRORS.get(RequestStatus(status), ("unknown_error", "no detail"))
+                line = error_line(request_key=request_id, custom_id=custom_id, code=code, message=message)
+                yield dumps(line, option=newline)
+

@@ -1,0 +1,101 @@
+"""Recording what workers ran: result rows and the job's counters, in the caller's transaction.
+
+shards.write_results calls apply_results inside its lease-fenced transaction; the job's counters move
+in the same transaction as the request rows they count (see models.py).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import orjson
+from sqlalchemy import bindparam, select, update
+from sqlalchemy.orm import Session
+
+from batchinfer.output_lines import response_body
+from batchinfer.store.db import is_sqlite
+from batchinfer.store.models import Job, Request, RequestStatus, Shard, utcnow
+
+
+def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], shard: Shard | None = None,
+                  now: datetime | None = None) -> int:
+    """In the caller's transaction: record results of still-pending requests and bump the job's counters.
+
+    With `shard`, only that shard's requests are accepted.
+
+    A result is {"request_id", "choices": [{"text", "finish_reason", "logprobs"?}], "prompt_tokens",
+    "completion_tokens", "cached_tokens"} or {"request_id", "error": {"code", "message"}}. Results for
+    requests that are no longer pending (already written, canceled) are ignored. Returns how many counted.
+    """
+    now = now or utcnow()
+    by_id: dict[int, dict[str, Any]] = {}
+    for result in results:
+        _check_result(result)
+        by_id.setdefault(result["request_id"], result)
+    if not by_id:
+        return 0
+    # Only the primary key narrows this query (so no planner picks a job-wide index); job and shard
+    # membership are checked on the few rows it returns.
+    allowed = set(shard.request_ids) if shard is not None else None
+    query = select(Request.id, Request.endpoint, Request.job_id).where(
+        Request.id.in_(list(by_id)), Request.status == RequestStatus.PENDING)
+    if not is_sqlite(session):
+        query = query.with_for_update()  # cancel/rescue cannot flip these rows before we commit
+    pending = [(row.id, row.endpoint) for row in session.execute(query)
+               if row.job_id == job.id and (allowed is None or row.id in allowed)]
+    created = int(now.timestamp())
+    succeeded: list[dict[str, Any]] = []
+    errored: list[dict[str, Any]] = []
+    for request_id, endpoint in pending:
+        result = by_id[request_id]
+        if "error" in result:
+            errored.append({"rid": request_id, "code": str(result["error"]["code"])[:64],
+                            "message": str(result["error"]["message"])})
+            continue
+        body = response_body(endpoint=endpoint, model=job.model, request_key=request_id, created=created,
+                             choices=result["choices"], prompt_tokens=result["prompt_tokens"],
+                             completion_tokens=result["completion_tokens"],
+                             cached_tokens=result["cached_tokens"])
+        succeeded.append({"rid": request_id, "response": orjson.dumps(body).decode(),
+                          "p": result["prompt_tokens"], "c": result["completion_tokens"],
+                          "k": result["cached_tokens"]})
+    table = Request.__table__
+    is_mine = (table.c.id == bindparam("rid")) & (table.c.status == RequestStatus.PENDING.value)
+    if succeeded:
+        session.execute(table.update().where(is_mine).values(
+            status=RequestStatus.SUCCEEDED.value, response=bindparam("response"),
+            prompt_tokens=bindparam("p"), completion_tokens=bindparam("c"), cached_tokens=bindparam("k"),
+            finished_at=now), succeeded)
+    if errored:
+        session.execute(table.update().where(is_mine).values(
+            status=RequestStatus.ERRORED.value, error_code=bindparam("code"),
+            error_message=bindparam("message"), finished_at=now), errored)
+    if succeeded or errored:
+        session.execute(update(Job).where(Job.id == job.id).values(
+            completed_requests=Job.completed_requests + len(succeeded),
+            failed_requests=Job.failed_requests + len(errored),
+            prompt_tokens=Job.prompt_tokens + sum(r["p"] for r in succeeded),
+            completion_tokens=Job.completion_tokens + sum(r["c"] for r in succeeded),
+            cached_tokens=Job.cached_tokens + sum(r["k"] for r in succeeded)))
+    return len(succeeded) + len(errored)
+
+
+def _check_result(result: dict[str, Any]) -> None:
+    rid = result.get("request_id")
+    if not isinstance(rid, int):
+        raise ValueError(f"result needs an integer request_id, got {rid!r}")
+    if "error" in result:
+        error = result["error"]
+        if not (isinstance(error, dict) and "code" in error and "message" in error):
+            raise ValueError(f"request {rid}: error must be {{code, message}}, got {error!r}")
+        return
+    choices = result.get("choices")
+    if not (isinstance(choices, list) and choices
+            and all(isinstance(c, dict) and isinstance(c.get("text"), str) and "finish_reason" in c
+                    for c in choices)):
+        raise ValueError(f"request {rid}: choices must be a non-empty list of {{text, finish_reason}}")
+    for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+        if not isinstance(result.get(name), int) or result[name] < 0:
+            raise ValueError(f"request {rid}: {name} must be a non-negative integer, "
+                             f"got {result.get(name)!r}")
