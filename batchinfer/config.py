@@ -1,18 +1,25 @@
-"""Every knob of batchinfer in one place: environment variables `BATCHINFER_*`, an optional TOML file, defaults.
+"""Every knob of batchinfer in one place: environment variables `BATCHINFER_*`, an optional TOML file,
+defaults.
 
 Precedence, highest first: explicit keyword arguments, environment variables, the TOML file named by
 `BATCHINFER_CONFIG` (default `<data_dir>/config.toml` when it exists), then the defaults below.
+
+Mistakes are one-line `ConfigError`s rather than tracebacks: an unknown TOML key or `BATCHINFER_*`
+variable names the closest valid setting, a `BATCHINFER_CONFIG` naming no file is an error, and an
+invalid value names the setting and where it came from (`setting_sources`).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import tomllib
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import platformdirs
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -23,12 +30,79 @@ from pydantic_settings import (
 DEFAULT_DATA_DIR = Path(platformdirs.user_data_dir("batchinfer", appauthor=False))
 
 
+ENV_PREFIX = "BATCHINFER_"
+# BATCHINFER_* variables that are not settings (read before the settings exist, or by one module).
+OTHER_ENV_VARS = frozenset({
+    "BATCHINFER_CONFIG",         # the TOML file (this module)
+    "BATCHINFER_CACHE_DIR",      # converted models (batchinfer.engine.loader)
+    "BATCHINFER_CPU_ATTENTION",  # "sdpa" selects the pure-torch CPU attention (engine.layers.cpu_attention)
+})
+TEST_ENV_PREFIX = "BATCHINFER_TEST_"  # the test suite's own servers (tests/conftest.py)
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or invalid, or the config file is missing or unreadable: one line says which."""
+
+
 def _config_file() -> Path:
     explicit = os.environ.get("BATCHINFER_CONFIG")
     if explicit:
         return Path(explicit)
     data_dir = Path(os.environ.get("BATCHINFER_DATA_DIR", DEFAULT_DATA_DIR))
     return data_dir / "config.toml"
+
+
+def _closest(name: str, valid: list[str]) -> str:
+    """' (did you mean X?)' for the valid name closest to `name`, or '' when none is close."""
+    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
+def _read_config_file() -> tuple[Path, dict[str, Any]] | None:
+    """The TOML file's path and table, None when the default file does not exist."""
+    path = _config_file()
+    if not path.is_file():
+        if os.environ.get("BATCHINFER_CONFIG"):
+            raise ConfigError(f"BATCHINFER_CONFIG={path}: no such file (unset it to use the defaults)")
+        return None
+    try:
+        with path.open("rb") as fh:
+            return path, tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+
+
+def _check_names(settings_cls: type[BaseSettings], table: dict[str, Any] | None, path: Path | None) -> None:
+    """Refuse an unknown TOML key or BATCHINFER_* variable, naming the closest valid one."""
+    fields = sorted(settings_cls.model_fields)
+    for key in table or {}:
+        if key not in settings_cls.model_fields:
+            raise ConfigError(f"config file {path}: unknown setting {key!r}{_closest(key, fields)}")
+    env_names = sorted({ENV_PREFIX + name.upper() for name in fields} | OTHER_ENV_VARS)
+    for variable in sorted(os.environ):
+        upper = variable.upper()
+        if not upper.startswith(ENV_PREFIX) or upper.startswith(TEST_ENV_PREFIX) or upper in env_names:
+            continue
+        raise ConfigError(f"unknown environment variable {variable}{_closest(upper, env_names)}; "
+                          f"settings are {ENV_PREFIX}<NAME> (see `batchinfer config show`)")
+
+
+def _env_value(name: str) -> str | None:
+    """The environment variable that sets `name`, matched case-insensitively as pydantic-settings does."""
+    wanted = ENV_PREFIX + name.upper()
+    return next((variable for variable in os.environ if variable.upper() == wanted), None)
+
+
+def setting_sources() -> dict[str, str]:
+    """Where each setting's value comes from: 'env BATCHINFER_<NAME>', 'file PATH' or 'default'."""
+    loaded = _read_config_file()
+    path, table = loaded if loaded else (None, {})
+    out: dict[str, str] = {}
+    for name in Settings.model_fields:
+        variable = _env_value(name)
+        out[name] = f"env {variable}" if variable else f"file {path}" if name in table else "default"
+    out["config_file"] = "env BATCHINFER_CONFIG" if os.environ.get("BATCHINFER_CONFIG") else "default"
+    return out
 
 
 class Settings(BaseSettings):
@@ -40,8 +114,11 @@ class Settings(BaseSettings):
     data_dir: Path = Field(DEFAULT_DATA_DIR, description="Root for the SQLite file, uploads and caches.")
     database_url: str = Field("", description="SQLAlchemy URL; empty means an SQLite file in data_dir.")
     broker_url: str | None = Field(None, description="Celery broker (redis://...); unset means local mode.")
-    server: str | None = Field(None, description="A batchinfer API server the CLI talks to instead of the DB.")
+    server: str | None = Field(None,
+                               description="A batchinfer API server the CLI talks to instead of the DB.")
     api_key: SecretStr | None = Field(None, description="API key the CLI sends to `server`.")
+    server_retry_seconds: float = Field(
+        120.0, ge=0, description="How long `submit --wait` against `server` retries it while it restarts.")
 
     # Jobs.
     default_model: str = "smollm2-135m-instruct"
@@ -53,8 +130,42 @@ class Settings(BaseSettings):
     completion_window: str = "24h"
     lease_seconds: float = Field(120.0, gt=0, description="Shard lease; workers heartbeat well within it.")
     max_attempts: int = Field(3, ge=1, description="Claims of a shard before it fails with worker_lost.")
+    # Periodic duties (workers.duties; README "Reliability" says who runs which in each deployment shape).
+    rescue_interval_seconds: float | None = Field(
+        None, gt=0, description="How often expired leases are rescued; unset: a quarter of lease_seconds.")
+    expiry_sweep_seconds: float = Field(30.0, gt=0, description="How often jobs past their window expire.")
+    schedule_tick_seconds: float = Field(15.0, gt=0, description="How often due schedule slots start.")
+    ingest_lease_seconds: float = Field(
+        60.0, gt=0, description="A submit whose ingest is silent this long is failed by the rescuer.")
     write_batch_size: int = Field(32, ge=1, description="Worker flushes results every N outputs ...")
     write_interval_ms: int = Field(500, ge=1, description="... or every T milliseconds.")
+
+    # Tenants and resource bounds (README "Security": what each protects, which settings loosen it).
+    prefix_cache_scope: Literal["owner", "global"] = Field(
+        "owner", description="owner: each owner's requests hit only its own cached prefixes; global: shared.")
+    max_request_kv_tokens: int | None = Field(
+        None, ge=1, description="Cap on n x (prompt + max_tokens) of one request; unset: what "
+        "kv_cache_memory_bytes holds of the job's model when its config is local, else 262,144.")
+    max_request_logprobs: int = Field(
+        1 << 18, ge=1, description="Cap on n x max_tokens x (1 + top_logprobs) of a request with logprobs.")
+    max_stop_sequences: int = Field(16, ge=1, description="Stop strings one request may give (OpenAI: 4).")
+    ingest_chunk_bytes: int = Field(8 << 20, ge=1 << 16, description="Input bytes per ingest commit.")
+    max_form_fields: int = Field(16, ge=1, description="Form fields of one multipart upload.")
+    max_owner_stored_bytes: int | None = Field(
+        50 << 30, ge=0, description="Bytes of uploaded files one owner may keep; unset: no limit.")
+    max_owner_active_jobs: int | None = Field(
+        100, ge=0, description="Jobs not yet finished one owner may have; unset: no limit.")
+    max_owner_pending_requests: int | None = Field(
+        20_000_000, ge=0, description="Requests one owner may have waiting to run; unset: no limit.")
+    finished_job_retention_seconds: float | None = Field(
+        30 * 86400.0, gt=0, description="Finished jobs older than this are purged; unset: kept forever.")
+    purge_interval_seconds: float = Field(3600.0, gt=0, description="How often the purge step runs.")
+    schedule_roots: list[Path] = Field(
+        default_factory=list, description="Where schedule inputs and outputs may be; empty: data_dir.")
+    webhook_allow_private: bool = Field(
+        False, description="Allow webhooks to loopback, link-local and private addresses.")
+    webhook_timeout_seconds: float = Field(10.0, gt=0, description="Whole-call limit of one webhook.")
+    metrics_token: SecretStr | None = Field(None, description="Bearer token /metrics requires; unset: open.")
 
     # Engine knobs (the worker's defaults; see batchinfer.engine.config.EngineConfig).
     device: str = "auto"
@@ -67,6 +178,11 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = Field(1, ge=1)
+
+    # Worker metrics: each `batchinfer worker` serves Prometheus metrics on its own port (workers.metrics).
+    worker_metrics_port: int | None = Field(None, ge=0, le=65535,
+                                            description="Port of the worker's /metrics; 0 or unset: off.")
+    worker_metrics_host: str = Field("0.0.0.0", description="Address the worker's metrics port binds.")
 
     # API server.
     api_host: str = "127.0.0.1"
@@ -87,11 +203,12 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        """Add the optional TOML file below the environment."""
+        """Add the optional TOML file below the environment, after refusing unknown names."""
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        path = _config_file()
-        if path.is_file():
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        loaded = _read_config_file()
+        _check_names(settings_cls, loaded[1] if loaded else None, loaded[0] if loaded else None)
+        if loaded:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=loaded[0]))
         return tuple(sources)
 
     @property
@@ -105,6 +222,12 @@ class Settings(BaseSettings):
     def local_mode(self) -> bool:
         """True when no broker is configured: workers poll the database."""
         return not self.broker_url
+
+    @property
+    def effective_rescue_interval_s(self) -> float:
+        """Seconds between rescue passes: the setting, else a quarter of a lease (an expired lease waits
+        at most that long for its rescue)."""
+        return self.rescue_interval_seconds or self.lease_seconds / 4
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The EngineConfig keyword arguments these settings imply."""
@@ -150,7 +273,26 @@ def mask_url_password(url: str) -> str:
     return url
 
 
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment and the config file; a mistake is one ConfigError line."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(_describe_invalid(exc, overrides)) from None
+
+
+def _describe_invalid(exc: ValidationError, overrides: dict[str, Any]) -> str:
+    """One line for the first invalid value: the setting, the value, where it came from, what is wrong."""
+    error = exc.errors()[0]
+    name = str(error["loc"][0]) if error["loc"] else "?"
+    source = "argument" if name in overrides else setting_sources().get(name, "default")
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    value = error.get("input")
+    shown = f" = {value!r}" if isinstance(value, str | int | float | bool) else ""
+    return f"invalid setting {name}{shown} (from {source}): {error['msg']}{more}"
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     """The process-wide settings (cached; call get_settings.cache_clear() after changing the environment)."""
-    return Settings()
+    return load_settings()

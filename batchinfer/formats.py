@@ -9,9 +9,13 @@ or a shorthand {"messages": [...], ...} / {"prompt": "...", ...} with the sampli
 or raises LineError naming the field and the fix. It is the ingest hot path: hand-written checks of
 the OpenAI body, the value checks left to SamplingParams itself, which is built once per distinct set
 of sampling fields and then stored with to_dict (the worker's from_dict does not check it again).
+The structured-output fields (response_format, guided_*, structured_outputs) are read by
+structured_fields.py into the one SamplingParams.structured_outputs.
 
 Where the body omits max_tokens the request runs until the model's context is full (OpenAI's rule),
-so params carry max_tokens=None. The body's "model" is ignored: a job runs one model.
+so params carry max_tokens=None. The body's "model" is kept for the store to route (line_models.py). `echo`,
+`add_generation_prompt` and `chat_template_kwargs` are request options (request_options.py); the
+fields batchinfer knows but does not do are in unsupported_fields.py.
 """
 
 from __future__ import annotations
@@ -23,17 +27,23 @@ from typing import Any
 
 import orjson
 
+from batchinfer import request_options, responses_lines
 from batchinfer.engine.sampling_params import SamplingParams, SamplingParamsError
+from batchinfer.request_options import CHAT_OPTION_FIELDS, COMPLETION_OPTION_FIELDS
+from batchinfer.structured_fields import CONSTRAINT_FIELDS, read_constraint
+from batchinfer.unsupported_fields import NOT_SUPPORTED_FIELDS, NOT_SUPPORTED_PARTS
 
 
 class Endpoint(StrEnum):
-    """The two supported endpoints; the value is what the requests table stores."""
+    """The supported endpoints; the value is what the requests table stores. Responses run as chat."""
 
     CHAT = "chat"
     COMPLETIONS = "completions"
+    RESPONSES = "responses"  # text-only /v1/responses: responses_lines.py turns the body into a chat one
 
 
-URL_TO_ENDPOINT = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETIONS}
+URL_TO_ENDPOINT = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETIONS,
+                   "/v1/responses": Endpoint.RESPONSES}
 ENDPOINT_TO_URL = {endpoint: url for url, endpoint in URL_TO_ENDPOINT.items()}
 MAX_CUSTOM_ID_CHARS = 512
 MAX_N = 128
@@ -44,13 +54,19 @@ SAMPLING_FIELDS = frozenset({
     "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
     # vLLM extras
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
-    "skip_special_tokens", "include_stop_str_in_output",
+    "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens", "bad_words",
+    "allowed_token_ids", "truncate_prompt_tokens", "logit_bias",
+    "structured_outputs",  # structured output; the other fields asking for it: structured_fields.py
 })  # fmt: skip
-CHAT_ONLY_FIELDS = frozenset({"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
-COMPLETION_ONLY_FIELDS = frozenset({"prompt", "logprobs"})
+CHAT_ONLY_FIELDS = CHAT_OPTION_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION_ONLY_FIELDS = COMPLETION_OPTION_FIELDS | {"prompt", "logprobs"}
 ACCEPTED_IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream"})
-CHAT_FIELDS = SAMPLING_FIELDS | CHAT_ONLY_FIELDS | ACCEPTED_IGNORED_FIELDS
-COMPLETION_FIELDS = SAMPLING_FIELDS | COMPLETION_ONLY_FIELDS | ACCEPTED_IGNORED_FIELDS
+CHAT_FIELDS = SAMPLING_FIELDS | CHAT_ONLY_FIELDS | ACCEPTED_IGNORED_FIELDS | CONSTRAINT_FIELDS
+COMPLETION_FIELDS = SAMPLING_FIELDS | COMPLETION_ONLY_FIELDS | ACCEPTED_IGNORED_FIELDS | CONSTRAINT_FIELDS
+
+
+# PostgreSQL text cannot hold NUL, and the custom_id is stored (and echoed in the output) as it is.
+_NUL_IN_CUSTOM_ID = "custom_id contains the NUL character (\\u0000); remove it"
 
 
 class LineError(ValueError):
@@ -74,6 +90,8 @@ class NormalizedRequest:
     messages: list[dict[str, Any]] | None
     prompt: str | list[int] | None
     params: SamplingParams  # shared with other requests of the same sampling fields (it is frozen)
+    options: dict[str, Any] | None = None  # echo, chat template arguments (request_options.py)
+    model: str | None = None  # body.model: the store routes the line to it (store/line_models.py)
 
     def prefix_text(self) -> str:
         """The text a prompt starts with, as the model will see it (for grouping shared prefixes)."""
@@ -85,9 +103,11 @@ class NormalizedRequest:
 
     def payload(self) -> dict[str, Any]:
         """What the requests table stores for a worker: the prompt or messages, and the params."""
-        if self.messages is not None:
-            return {"messages": self.messages, "params": self.params.to_dict()}
-        return {"prompt": self.prompt, "params": self.params.to_dict()}
+        out = {"prompt": self.prompt} if self.messages is None else {"messages": self.messages}
+        out["params"] = self.params.to_dict()
+        if self.options:
+            out["options"] = self.options
+        return out
 
 
 # --------------------------------------------------------------------------------------------- input
@@ -121,6 +141,8 @@ def _parse_shorthand(obj: dict[str, Any], line_number: int, max_metadata_bytes: 
     if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
         raise LineError(f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters, "
                         f"got {custom_id!r:.80}", param="custom_id")
+    if "\x00" in custom_id:
+        raise LineError(_NUL_IN_CUSTOM_ID, param="custom_id")
     body = obj
     if "custom_id" in obj:
         body = {k: v for k, v in obj.items() if k != "custom_id"}
@@ -130,7 +152,8 @@ def _parse_shorthand(obj: dict[str, Any], line_number: int, max_metadata_bytes: 
 
 def _parse_envelope(obj: dict[str, Any], max_metadata_bytes: int) -> NormalizedRequest:
     custom_id = obj.get("custom_id")
-    readable = isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS
+    readable = isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS \
+        and "\x00" not in custom_id
     readable_id = custom_id if readable else None
 
     def fail(message: str, code: str = "invalid_request", param: str | None = None) -> LineError:
@@ -148,6 +171,8 @@ def _parse_envelope(obj: dict[str, Any], max_metadata_bytes: int) -> NormalizedR
     if not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
         raise fail(f"custom_id must be 1 to {MAX_CUSTOM_ID_CHARS} characters, got {len(custom_id)}",
                    param="custom_id")
+    if "\x00" in custom_id:
+        raise fail(_NUL_IN_CUSTOM_ID, param="custom_id")
     if obj["method"] != "POST":
         raise fail(f"method must be \"POST\", got {obj['method']!r}", "invalid_method", "method")
     url, body = obj["url"], obj["body"]
@@ -167,7 +192,9 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
         return LineError(f"{where}{param}: {message}", code=code, param=where + param, custom_id=readable_id)
 
     messages = prompt = None
-    if endpoint is Endpoint.CHAT:
+    if endpoint is Endpoint.RESPONSES:
+        body = responses_lines.chat_body(body, fail)
+    if endpoint is not Endpoint.COMPLETIONS:
         if "prompt" in body:
             raise fail("unknown or unsupported field (prompt belongs to /v1/completions)", "prompt")
         messages = _messages(body.get("messages"), fail)
@@ -192,7 +219,14 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
         _OPTIONS_CACHE[key] = checked
     if isinstance(checked, LineError):
         raise fail(checked.message, checked.param or "", checked.code)
-    return NormalizedRequest(custom_id, endpoint, messages, prompt, checked)
+    try:
+        extra = request_options.read_request_options(body)
+    except request_options.RequestOptionError as exc:
+        raise fail(exc.message, exc.field, "invalid_value") from None
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model.strip()):
+        raise fail(f"must be a model name (a non-empty string), got {_json_type(model)}", "model")
+    return NormalizedRequest(custom_id, endpoint, messages, prompt, checked, extra, model)
 
 
 _PROMPT_AND_METADATA = frozenset({"messages", "prompt", "metadata"})
@@ -202,9 +236,14 @@ _OPTIONS_CACHE_SIZE = 4096
 
 def _check_options(endpoint: Endpoint, options: dict[str, Any]) -> SamplingParams | LineError:
     """The SamplingParams of a body's non-prompt fields, or the LineError (without location) they earn."""
-    allowed = CHAT_FIELDS if endpoint is Endpoint.CHAT else COMPLETION_FIELDS
+    chat = endpoint is not Endpoint.COMPLETIONS  # responses were turned into chat bodies
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = options.keys() - allowed
     if unknown:
+        known = sorted(unknown & NOT_SUPPORTED_FIELDS.keys())
+        if known:
+            return LineError(f"{NOT_SUPPORTED_FIELDS[known[0]]} is not supported by batchinfer; remove "
+                             f"{known[0]} (batchinfer runs text generation)", param=known[0])
         return LineError("unknown or unsupported field (check the spelling)", param=sorted(unknown)[0])
     if options.get("stream"):
         return LineError("streaming is not available in a batch; remove it or set it to false",
@@ -221,13 +260,15 @@ def _check_options(endpoint: Endpoint, options: dict[str, Any]) -> SamplingParam
         return LineError(f"must be between 0 and 2, got {temperature}", param="temperature")
     if isinstance(params.get("n"), int) and params["n"] > MAX_N:
         return LineError(f"must be at most {MAX_N}, got {params['n']}", param="n")
-    if endpoint is Endpoint.CHAT:
+    if chat:
         error = _chat_logprobs(options, params)
         if error is not None:
             return error
     elif options.get("logprobs") is not None:
         params["logprobs"] = options["logprobs"]  # completions: an int, the number of top logprobs
     try:
+        if not CONSTRAINT_FIELDS.isdisjoint(options):
+            params["structured_outputs"] = read_constraint(options, chat=chat)
         return SamplingParams(**params)
     except SamplingParamsError as exc:
         return LineError(exc.message, code="invalid_value", param=exc.field)
@@ -248,8 +289,11 @@ def check_sampling_fields(fields: dict[str, Any]) -> None:
         raise checked[0]
 
 
-_DEFAULTABLE_FIELDS = SAMPLING_FIELDS | {"max_completion_tokens", "logprobs", "top_logprobs"}
+_DEFAULTABLE_FIELDS = SAMPLING_FIELDS | CONSTRAINT_FIELDS | {"max_completion_tokens", "logprobs",
+                                                              "top_logprobs"}
 _MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+_NOT_SUPPORTED_MESSAGE_FIELDS = frozenset({"tool_calls", "tool_call_id", "function_call", "audio",
+                                           "refusal"})
 
 
 def _messages(messages: Any, fail: Any) -> list[dict[str, Any]]:
@@ -269,6 +313,9 @@ def _messages(messages: Any, fail: Any) -> list[dict[str, Any]]:
             raise fail(f"role {role!r} is not one of {sorted(CHAT_ROLES)}", f"messages[{i}].role")
         if len(message) > 2 and not _MESSAGE_FIELDS.issuperset(message):
             extra = sorted(message.keys() - _MESSAGE_FIELDS)[0]
+            if extra in _NOT_SUPPORTED_MESSAGE_FIELDS:
+                raise fail(f"{extra} is not supported by batchinfer (text chat: role, content, name)",
+                           f"messages[{i}].{extra}")
             raise fail(f"field {extra!r} is not supported (text chat: role, content, name)", f"messages[{i}]")
         if isinstance(content, str):
             continue
@@ -277,6 +324,10 @@ def _messages(messages: Any, fail: Any) -> list[dict[str, Any]]:
             for j, part in enumerate(content):
                 if not (isinstance(part, dict) and part.get("type") == "text"
                         and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if isinstance(kind, str) and kind in NOT_SUPPORTED_PARTS:
+                        raise fail(f"{NOT_SUPPORTED_PARTS[kind]} is not supported by batchinfer; only text "
+                                   "parts {\"type\": \"text\", \"text\": ...}", f"messages[{i}].content[{j}]")
                     raise fail("only text parts {\"type\": \"text\", \"text\": ...} are supported",
                                f"messages[{i}].content[{j}]")
                 texts.append(part["text"])

@@ -1,6 +1,6 @@
 """Output and error lines of a batch (OpenAI Batch API): the builders export uses, and their schema.
 
-`response_body` turns a worker's choices into a chat.completion / text_completion object, which the
+`response_body` turns a worker's choices into a chat.completion / text_completion / response object, which the
 requests table stores; `output_line` and `error_line` wrap it (or an error) into a line of the output
 or error file. The pydantic models below state that line's shape; they validate nothing on the hot
 path (building dicts is cheaper) and serve readers and the tests that check export's lines.
@@ -14,6 +14,7 @@ import orjson
 from pydantic import BaseModel
 
 from batchinfer.formats import Endpoint
+from batchinfer.responses_lines import response_object
 
 
 def response_body(*, endpoint: str, model: str, request_key: int, created: int, choices: list[dict[str, Any]],
@@ -25,6 +26,10 @@ def response_body(*, endpoint: str, model: str, request_key: int, created: int, 
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if endpoint == Endpoint.RESPONSES:  # no n on /v1/responses: one choice
+        return response_object(request_key=request_key, created=created, model=model, choice=choices[0],
+                               prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                               cached_tokens=cached_tokens)
     if endpoint == Endpoint.CHAT:
         out_choices = [{"index": c.get("index", i), "message": {"role": "assistant", "content": c["text"]},
                         "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]}
@@ -73,10 +78,22 @@ class ResponseBody(BaseModel):
     usage: Usage
 
 
+class ResponseObject(BaseModel):
+    """A /v1/responses line's body (responses_lines.response_object)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any]
+
+
 class BatchResponse(BaseModel):
     status_code: int
     request_id: str
-    body: ResponseBody
+    body: ResponseBody | ResponseObject
 
 
 class BatchError(BaseModel):

@@ -97,8 +97,9 @@ async def _client(http: httpx.AsyncClient, path: str, until: float, interval: fl
 
 async def _load(base: str, path: str, headers: dict[str, str], *, clients: int, seconds: float,
                 interval: float) -> dict[str, Any]:
-    """`clients` independent clients (own connection each), connected and warmed up before the clock starts."""
-    https = [httpx.AsyncClient(base_url=base, headers=headers, timeout=30, verify=False) for _ in range(clients)]
+    """`clients` independent clients (own connection each), connected and warmed up before the clock."""
+    https = [httpx.AsyncClient(base_url=base, headers=headers, timeout=30, verify=False)
+             for _ in range(clients)]
     try:
         await asyncio.gather(*(http.get(path) for http in https))  # open every connection first
         latencies: list[float] = []
@@ -106,8 +107,10 @@ async def _load(base: str, path: str, headers: dict[str, str], *, clients: int, 
         start = time.perf_counter()
         until = start + seconds
         # Start offsets spread the clients over one interval, as independent pollers would be.
-        await asyncio.gather(*(_staggered(i / clients * interval, _client(http, path, until, interval, latencies,
-                                                                         errors)) for i, http in enumerate(https)))
+        await asyncio.gather(*(
+            _staggered(i / clients * interval, _client(http, path, until, interval, latencies, errors))
+            for i, http in enumerate(https)
+        ))
         elapsed = time.perf_counter() - start
     finally:
         await asyncio.gather(*(http.aclose() for http in https))
@@ -156,7 +159,8 @@ def _server_histogram(base: str, route: str) -> tuple[float, float]:
             continue
         for sample in family.samples:
             labels = sample.labels
-            if sample.name.endswith("_bucket") and labels.get("route") == route and labels.get("status") == "200":
+            if (sample.name.endswith("_bucket") and labels.get("route") == route
+                    and labels.get("status") == "200"):
                 buckets.append((float(labels["le"]), sample.value))
     buckets.sort()
     total = buckets[-1][1] if buckets else 0
@@ -171,16 +175,19 @@ def _server_histogram(base: str, route: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--baseline-seconds", type=float, default=None, help="default: --seconds")
-    parser.add_argument("--interval", type=float, default=1.0, help="pause between a client's polls (0: closed loop)")
+    parser.add_argument("--interval", type=float, default=1.0,
+                        help="pause between a client's polls (0: closed loop)")
     parser.add_argument("--model", default=None, help="model for the worker (default: a tiny random Llama)")
     parser.add_argument("--requests", type=int, default=20_000, help="requests in the job the worker runs")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--worker-threads", type=int, default=1,
-                        help="torch threads of the worker (1 leaves the other core of a 2-core box to the API)")
+                        help="torch threads of the worker "
+                             "(1 leaves the other core of a 2-core box to the API)")
     parser.add_argument("--database-url", default=None, help="default: an SQLite file in a temp dir")
     args = parser.parse_args()
     args.baseline_seconds = args.seconds if args.baseline_seconds is None else args.baseline_seconds
@@ -210,13 +217,16 @@ def main() -> None:
     worker = None
     try:
         _wait_healthy(base)
-        lines = [orjson.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": {
-            "messages": [{"role": "user", "content": f"Question {i}: the worker reads many tokens."}],
-            "max_tokens": args.max_tokens, "ignore_eos": True}}) for i in range(args.requests)]
+        lines = [orjson.dumps({
+            "custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": {
+                "messages": [{"role": "user", "content": f"Question {i}: the worker reads many tokens."}],
+                "max_tokens": args.max_tokens, "ignore_eos": True},
+        }) for i in range(args.requests)]
         with httpx.Client(base_url=base, headers=headers, timeout=300) as http:
             file_id = http.post("/v1/files", data={"purpose": "batch"},
                                 files={"file": ("bench.jsonl", b"\n".join(lines) + b"\n")}).json()["id"]
-            batch = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+            batch = http.post("/v1/batches", json={"input_file_id": file_id,
+                                                    "endpoint": "/v1/chat/completions",
                                                     "completion_window": "24h"}).json()
             batch_id = batch["id"]
             print(f"job {batch_id}: {args.requests} requests, model {Path(model).name}; starting worker ...",
@@ -231,8 +241,9 @@ def main() -> None:
             before = http.get(f"/v1/batches/{batch_id}").json()
 
         load_before = os.getloadavg()[0]
-        print(f"{args.clients} clients, interval {args.interval}s: /healthz {args.baseline_seconds:.0f}s, then "
-              f"GET /v1/batches/{{id}} {args.seconds:.0f}s", flush=True)
+        print(f"{args.clients} clients, interval {args.interval}s: "
+              f"/healthz {args.baseline_seconds:.0f}s, then GET /v1/batches/{{id}} {args.seconds:.0f}s",
+              flush=True)
         poll_path = f"/v1/batches/{batch_id}"
 
         def phase(pid: int, url: str, path: str, hdrs: dict[str, str], seconds: float) -> dict[str, Any]:
@@ -267,9 +278,10 @@ def main() -> None:
           f"{1000 / poll['cpu_ms']:.0f} polls/s")
     print(f"server-side (/metrics histogram bucket bounds): p50 <= {server_p50:.1f} ms, "
           f"p99 <= {server_p99:.1f} ms")
-    print(f"worker during the poll phases: {done} requests finished, job {before['status']} -> {after['status']} "
-          f"({after['request_counts']['completed']}/{args.requests}); 1-min load average {load_before:.1f} -> "
-          f"{load_after:.1f} on {os.cpu_count()} cores")
+    print(f"worker during the poll phases: {done} requests finished, "
+          f"job {before['status']} -> {after['status']} "
+          f"({after['request_counts']['completed']}/{args.requests}); "
+          f"1-min load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} cores")
     verdict = "meets" if poll["p99"] < TARGET_P99_MS else "MISSES"
     print(f"p99 {poll['p99']:.1f} ms {verdict} the {TARGET_P99_MS:.0f} ms target")
 

@@ -37,9 +37,10 @@ def write_job(path: Path, count: int, max_tokens: int, seed: int = 0) -> list[di
     bodies = []
     with path.open("wb") as out:
         for i in range(count):
-            question = f"Which book about {rng.choice(TOPICS)} would you give a friend who likes {rng.choice(TOPICS)}?"
-            body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            topic, liked = rng.choice(TOPICS), rng.choice(TOPICS)
+            question = f"Which book about {topic} would you give a friend who likes {liked}?"
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
             bodies.append(body)
             out.write(orjson.dumps({"custom_id": f"q-{i}", "method": "POST", "url": "/v1/chat/completions",
                                     "body": body}) + b"\n")
@@ -157,7 +158,8 @@ def _wait_done(sessions, job_id: int, worker: subprocess.Popen, workdir: Path) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -165,9 +167,10 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--postgres", default=os.environ.get("BATCHINFER_TEST_POSTGRES_URL",
-                                                             "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
-    parser.add_argument("--redis", default=os.environ.get("BATCHINFER_TEST_REDIS_URL", "redis://127.0.0.1:6379/3"))
+    parser.add_argument("--postgres", default=os.environ.get(
+        "BATCHINFER_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
+    parser.add_argument("--redis", default=os.environ.get(
+        "BATCHINFER_TEST_REDIS_URL", "redis://127.0.0.1:6379/3"))
     parser.add_argument("--modes", default="direct,local,celery")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

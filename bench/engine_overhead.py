@@ -13,7 +13,9 @@ decodes ordinary, varied text. The stub's own time (moving the peaks) is measure
 Steady-state decode: --num-seqs requests (default 256, distinct random prompts of --prompt-len tokens,
 greedy, ignore_eos, max_tokens so none finishes) are all admitted and prefilled first; then --steps decode
 steps are timed one by one, alternating metrics on (the engine as shipped) and metrics off
-(engine._record_step replaced by a no-op), so noise hits both alike. The metrics update is also timed alone.
+(Engine._record_step, which hands the step's latencies to MetricsRecorder.record_step in
+batchinfer/engine/metrics.py, replaced by a no-op), so noise hits both alike. The metrics update is also
+timed alone.
 A per-component split (wrapped methods) and, with --profile, cProfile's top functions follow.
 
     .venv/bin/python bench/engine_overhead.py                      # 256 sequences, vocab 49152 and tiny
@@ -155,7 +157,8 @@ def timed_steps(engine: Engine, stub: StubForward, num_steps: int, num_seqs: int
         start, start_cpu = time.perf_counter(), time.thread_time()
         engine.step()
         # The stub's own work is not the engine's.
-        samples[f"cpu {metrics}"].append(time.thread_time() - start_cpu - (stub.cpu_seconds - stub_cpu_before))
+        stub_cpu = stub.cpu_seconds - stub_cpu_before
+        samples[f"cpu {metrics}"].append(time.thread_time() - start_cpu - stub_cpu)
         samples[metrics].append(time.perf_counter() - start - (stub.seconds - stub_before))
     engine._record_step = shipped
     if engine.scheduler.num_running != num_seqs:
@@ -240,7 +243,8 @@ def ms(seconds: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=100, help="timed steps each with metrics on and off")
@@ -267,15 +271,17 @@ def main() -> None:
             argmax_seconds = argmax_alone(stub)
             split = component_split(engine, stub, 20)
             rows.append((width, samples, alone, argmax_seconds))
-            print(f"\nvocab {width}: {args.num_seqs} running sequences, {args.steps} + {args.steps} timed decode "
-                  "steps (metrics on/off alternating)")
+            print(f"\nvocab {width}: {args.num_seqs} running sequences, "
+                  f"{args.steps} + {args.steps} timed decode steps (metrics on/off alternating)")
             for name, values in samples.items():
                 kind = "CPU time" if name.startswith("cpu") else "wall time"
-                print(f"  step {kind}, metrics {name.split()[-1]:<3}: median {ms(statistics.median(values))} ms, "
+                print(f"  step {kind}, metrics {name.split()[-1]:<3}: "
+                      f"median {ms(statistics.median(values))} ms, "
                       f"mean {ms(statistics.mean(values))}, min {ms(min(values))}, "
                       f"p90 {ms(sorted(values)[int(0.9 * len(values))])}")
             print(f"  _record_step alone ({args.num_seqs} inter-token latencies): {ms(alone)} ms")
-            print(f"  sampler's greedy argmax alone over [{args.num_seqs}, {width}] logits: {ms(argmax_seconds)} ms CPU")
+            print(f"  sampler's greedy argmax alone over [{args.num_seqs}, {width}] logits: "
+                  f"{ms(argmax_seconds)} ms CPU")
             print("  split per step (ms, 20 steps, wrapped methods):")
             for label, seconds in split.items():
                 print(f"    {label:<48} {ms(seconds)}")
@@ -298,7 +304,8 @@ def main() -> None:
                 f"({'met' if bookkeeping < 1e-3 else 'over'} without the argmax)")
             print(f"| vocab {width}, metrics {metrics} | {ms(wall)} | {ms(cpu)} | {ms(bookkeeping)} | "
                   f"{cpu / n * 1e6:.2f} | {verdict} |")
-        print(f"| vocab {width}, metrics update alone (_record_step) | {ms(alone)} | | | {alone / n * 1e6:.2f} | |")
+        print(f"| vocab {width}, metrics update alone (_record_step) | {ms(alone)} | | | "
+              f"{alone / n * 1e6:.2f} | |")
 
 
 if __name__ == "__main__":

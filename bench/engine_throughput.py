@@ -98,7 +98,8 @@ def run_continuous(model, prompts, budgets) -> tuple[Result, list[list[int]]]:
 
     config = GenerationConfig(max_new_tokens=max(budgets), do_sample=False, eos_token_id=-1)
     results = {}
-    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+    batching = model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5)
+    with batching as manager:
         start = time.perf_counter()  # after warm-up, like generate_batch's own timing would be
         ids = [manager.add_request(input_ids=p, request_id=f"req-{i}", max_new_tokens=n, eos_token_id=-1)
                for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))]
@@ -141,11 +142,13 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--min-tokens", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of transformers generate")
+    parser.add_argument("--hf-batch-size", type=int, default=32,
+                        help="static batch size of transformers generate")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="our engine's running batch limit")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--skip-static", action="store_true")
@@ -168,8 +171,9 @@ def main() -> None:
     prompts, budgets = build_workload(tokenizer, args.num_prompts, args.min_tokens, args.max_tokens)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads "
           f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f} at start")
-    print(f"workload: {len(prompts)} chat prompts ({sum(map(len, prompts))} prompt tokens), max_tokens "
-          f"{args.min_tokens}..{args.max_tokens} ({sum(budgets)} tokens to generate), greedy, fp32, ignore_eos")
+    print(f"workload: {len(prompts)} chat prompts ({sum(map(len, prompts))} prompt tokens), "
+          f"max_tokens {args.min_tokens}..{args.max_tokens} ({sum(budgets)} tokens to generate), "
+          "greedy, fp32, ignore_eos")
     roofline = matmul_gflops()
     print(f"fp32 matmul roofline: {roofline:.1f} GFLOP/s")
 
@@ -201,7 +205,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads | tokens/s | batchinfer speed-up |")
     print("|---|---:|---:|")
     for result in results:
-        print(f"| {result.name} | {result.tokens_per_s:.1f} | {ours.tokens_per_s / result.tokens_per_s:.2f}x |")
+        ratio = ours.tokens_per_s / result.tokens_per_s
+        print(f"| {result.name} | {result.tokens_per_s:.1f} | {ratio:.2f}x |")
     print(f"| **batchinfer engine** | **{ours.tokens_per_s:.1f}** | 1.00x |")
     print()
     print(f"batchinfer: {achieved:.1f} GFLOP/s (2 x {num_params / 1e6:.1f}M params x tokens/s) = "

@@ -30,7 +30,8 @@ if SMOKE:
 
 from triton.testing import do_bench  # noqa: E402
 
-pa = importlib.import_module("kernels.paged_attention")  # the module (kernels.paged_attention is the function)
+# The module itself: the name kernels.paged_attention is the function.
+pa = importlib.import_module("kernels.paged_attention")
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 DEVICE = "cpu" if SMOKE else "cuda"
@@ -60,7 +61,8 @@ def make_case(batch: int, context: int, q_len: int, seed: int = 0) -> dict:
     q = torch.randn(batch * q_len, HQ, D, device=DEVICE, dtype=DTYPE, generator=g)
     return {
         "q": q, "k": k, "v": v,
-        "k_cache": paged_copy(k, block_tables, num_blocks), "v_cache": paged_copy(v, block_tables, num_blocks),
+        "k_cache": paged_copy(k, block_tables, num_blocks),
+        "v_cache": paged_copy(v, block_tables, num_blocks),
         "cu_seqlens_q": torch.arange(0, batch * q_len + 1, q_len, device=DEVICE, dtype=torch.int32),
         "seq_lens": torch.full((batch,), context, device=DEVICE, dtype=torch.int32),
         "block_tables": block_tables, "batch": batch, "context": context, "q_len": q_len,
@@ -70,13 +72,15 @@ def make_case(batch: int, context: int, q_len: int, seed: int = 0) -> dict:
 def ours(case: dict, cfg: pa.LaunchConfig | None = None):
     """A callable running our kernel on the case (the heuristic's config unless cfg is given)."""
     args = (case["q"], case["k_cache"], case["v_cache"])
-    meta = {"cu_seqlens_q": case["cu_seqlens_q"], "seq_lens": case["seq_lens"], "block_tables": case["block_tables"]}
+    meta = {"cu_seqlens_q": case["cu_seqlens_q"], "seq_lens": case["seq_lens"],
+            "block_tables": case["block_tables"]}
     out = torch.empty_like(case["q"])
     scale = D**-0.5
     if cfg is None:
         return lambda: pa.paged_attention(*args, **meta, scale=scale, out=out, max_seqlen_q=case["q_len"],
                                           max_seqlen_k=case["context"])
-    return lambda: pa.launch(*args, meta["cu_seqlens_q"], meta["seq_lens"], meta["block_tables"], scale, out, cfg)
+    return lambda: pa.launch(*args, meta["cu_seqlens_q"], meta["seq_lens"], meta["block_tables"], scale, out,
+                             cfg)
 
 
 def sdpa(case: dict, backend=None):
@@ -149,9 +153,10 @@ def main() -> None:
         except RuntimeError as exc:
             print(f"  SDPA {backend_name}: unavailable ({str(exc).splitlines()[0][:80]})")
     default_cfg = pa.choose_config(num_tokens=batch, num_seqs=batch, num_kv_heads=HKV, group=HQ // HKV,
-                                   head_dim=D, elem_bytes=2, max_seqlen_q=1, max_seqlen_k=context, num_sms=sms)
-    print(f"\ndecode: batch {batch}, context {context}, {HQ}q/{HKV}kv heads, dim {D}, {DTYPE}, block {BLOCK}; "
-          f"K/V bytes read per call {kv_bytes / 1e6:.0f} MB; max|ours - SDPA| = {err:.3g}")
+                                   head_dim=D, elem_bytes=2, max_seqlen_q=1, max_seqlen_k=context,
+                                   num_sms=sms)
+    print(f"\ndecode: batch {batch}, context {context}, {HQ}q/{HKV}kv heads, dim {D}, {DTYPE}, "
+          f"block {BLOCK}; K/V bytes read per call {kv_bytes / 1e6:.0f} MB; max|ours - SDPA| = {err:.3g}")
     print(f"heuristic config: {default_cfg}")
     print(f"{'':34s} {'us':>9s} {'K/V GB/s':>10s} {'% of copy bw':>13s}")
     best_sdpa = min(t for name, t in rows if name.startswith("torch"))
@@ -188,13 +193,15 @@ def main() -> None:
     case = make_case(batch, context, 1, seed=1)
     kv_bytes = 2 * batch * context * HKV * D * case["k"].element_size()
     t_auto = ms(ours(case))
-    auto_cfg = pa.choose_config(num_tokens=batch, num_seqs=batch, num_kv_heads=HKV, group=HQ // HKV, head_dim=D,
-                                elem_bytes=2, max_seqlen_q=1, max_seqlen_k=context, num_sms=sms)
+    auto_cfg = pa.choose_config(num_tokens=batch, num_seqs=batch, num_kv_heads=HKV, group=HQ // HKV,
+                                head_dim=D, elem_bytes=2, max_seqlen_q=1, max_seqlen_k=context, num_sms=sms)
     t_one = ms(ours(case, pa.LaunchConfig(auto_cfg.block_m, auto_cfg.block_n, 1, auto_cfg.num_warps,
                                           auto_cfg.num_stages)))
     t_sdpa = ms(sdpa(case))
-    print(f"\ndecode: batch {batch}, context {context}: ours split-KV ({auto_cfg.num_splits} splits) {t_auto * 1e3:.1f} us "
-          f"({kv_bytes / (t_auto * 1e-3) / 1e9:,.0f} GB/s), no split {t_one * 1e3:.1f} us, SDPA {t_sdpa * 1e3:.1f} us")
+    print(f"\ndecode: batch {batch}, context {context}: "
+          f"ours split-KV ({auto_cfg.num_splits} splits) {t_auto * 1e3:.1f} us "
+          f"({kv_bytes / (t_auto * 1e-3) / 1e9:,.0f} GB/s), no split {t_one * 1e3:.1f} us, "
+          f"SDPA {t_sdpa * 1e3:.1f} us")
     report["long_context"] = {"split_us": t_auto * 1e3, "nosplit_us": t_one * 1e3, "sdpa_us": t_sdpa * 1e3}
 
     # -- prefill: 4 sequences x 1024 new tokens, causal --------------------------------------------------

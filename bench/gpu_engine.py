@@ -91,14 +91,14 @@ def build(model_dir: Path) -> None:
 
 
 def run_ours(model_dir: Path, num_prompts: int) -> dict:
-    """batchinfer's engine over the workload (all requests queued at once, as for the peer); output tokens/s."""
+    """batchinfer's engine over the workload (all requests queued at once, as for the peer): tokens/s."""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.llm_engine import Engine
     from batchinfer.engine.sampling_params import SamplingParams
 
     load_start = time.perf_counter()
-    engine = Engine(EngineConfig(model=str(model_dir), dtype=DTYPE, device=DEVICE, max_model_len=MAX_MODEL_LEN,
-                                 max_num_seqs=256, max_num_batched_tokens=8192,
+    engine = Engine(EngineConfig(model=str(model_dir), dtype=DTYPE, device=DEVICE,
+                                 max_model_len=MAX_MODEL_LEN, max_num_seqs=256, max_num_batched_tokens=8192,
                                  attention_backend="torch" if SMOKE else "triton"))
     load_s = time.perf_counter() - load_start
     engine.add_request("warm-up", [1, 2, 3], SamplingParams(max_tokens=8))  # kernels compiled before timing
@@ -161,7 +161,8 @@ def run_hf(model_dir: Path, num_prompts: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=int(os.environ.get("BENCH_NUM_PROMPTS", 256)))
-    parser.add_argument("--workdir", type=Path, default=None, help="where the model is saved (default: a temp dir)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where the model is saved (default: a temp dir)")
     parser.add_argument("--phase", choices=["build", "ours", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="CPU run of a tiny model (checks the script)")
     parser.add_argument("--deadline-s", type=float, default=float(os.environ.get("BENCH_DEADLINE_S", 1800)),
@@ -189,8 +190,8 @@ def main() -> None:
     smoke = ["--smoke"] if SMOKE else []
     if not (model_dir / "config.json").exists():
         print(f"building the random model in {model_dir} ...", flush=True)
-        subprocess.run([sys.executable, __file__, "--phase", "build", "--workdir", str(workdir), *smoke], check=True,
-                       timeout=max(1.0, deadline - time.perf_counter()))
+        subprocess.run([sys.executable, __file__, "--phase", "build", "--workdir", str(workdir), *smoke],
+                       check=True, timeout=max(1.0, deadline - time.perf_counter()))
         print(f"  built and saved in {time.perf_counter() - started:.0f} s", flush=True)
     for i, (phase, label) in enumerate((("ours", "batchinfer"), ("hf", "transformers continuous batching"))):
         # ours gets at most half of what is left, so the peer always has a turn
@@ -202,9 +203,11 @@ def main() -> None:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(limit, 1.0))
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            progress = [json.loads(ln[len("PROGRESS "):]) for ln in out.splitlines() if ln.startswith("PROGRESS ")]
+            progress = [json.loads(ln[len("PROGRESS "):]) for ln in out.splitlines()
+                        if ln.startswith("PROGRESS ")]
             results[phase] = {"error": f"cut at the {limit:.0f} s limit", "progress": progress[-1:] or None}
-            print(f"  {label}: cut at the {limit:.0f} s limit; last progress: {progress[-1] if progress else 'none'}")
+            last = progress[-1] if progress else "none"
+            print(f"  {label}: cut at the {limit:.0f} s limit; last progress: {last}")
             continue
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
@@ -213,8 +216,9 @@ def main() -> None:
             continue
         results[phase] = json.loads(lines[-1][len("RESULT "):])
         r = results[phase]
-        print(f"  {label}: {r['output_tokens']} output tokens (of {r['expected_tokens']}) in {r['seconds']:.1f} s "
-              f"= {r['tokens_per_s']:,.0f} tok/s (model load {r['load_seconds']:.0f} s)", flush=True)
+        print(f"  {label}: {r['output_tokens']} output tokens (of {r['expected_tokens']}) "
+              f"in {r['seconds']:.1f} s = {r['tokens_per_s']:,.0f} tok/s "
+              f"(model load {r['load_seconds']:.0f} s)", flush=True)
     if "tokens_per_s" in results.get("ours", {}) and "tokens_per_s" in results.get("hf", {}):
         ratio = results["ours"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
         results["ratio_ours_over_hf"] = ratio

@@ -38,8 +38,9 @@ SYSTEM_PROMPTS = [
     "You are a math tutor. Explain the key step, then give the final answer.",
     "You classify customer reviews as positive, negative or neutral. Reply with one word.",
 ]
-TOPICS = ["shipping times", "a refund", "the API rate limit", "photosynthesis", "prime numbers", "a late order",
-          "password reset", "the weather in Lyon", "a broken zipper", "sorting algorithms", "tax on imports"]
+TOPICS = ["shipping times", "a refund", "the API rate limit", "photosynthesis", "prime numbers",
+          "a late order", "password reset", "the weather in Lyon", "a broken zipper", "sorting algorithms",
+          "tax on imports"]
 SAMPLING = [{"max_tokens": 32, "temperature": 0.7}, {"max_tokens": 64, "temperature": 0.0},
             {"max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 7}, {"max_completion_tokens": 48}]
 
@@ -61,7 +62,8 @@ def generate(path: Path, lines: int, seed: int = 0) -> int:
                     {"role": "user", "content": f"Question {n}: what should I know about {topic}?"}],
                     **rng.choice(SAMPLING)}
                 url = "/v1/chat/completions"
-            buffer.append(orjson.dumps({"custom_id": f"request-{i:08d}", "method": "POST", "url": url, "body": body}))
+            buffer.append(orjson.dumps({"custom_id": f"request-{i:08d}", "method": "POST", "url": url,
+                                        "body": body}))
             if len(buffer) == 10_000:
                 out.write(b"\n".join(buffer) + b"\n")
                 buffer.clear()
@@ -113,8 +115,8 @@ def run_one(url: str, path: Path, lines: int) -> dict:
                         "finish_reason": "stop"}], "prompt_tokens": 40, "completion_tokens": 8,
                         "cached_tokens": 32} for r in pending]
             for i in range(0, len(results), 32):  # the worker flushes every 32 outputs
-                written += shards.write_results(session, shard_id=lease.shard_id, lease_token=lease.lease_token,
-                                                results=results[i:i + 32])
+                written += shards.write_results(session, shard_id=lease.shard_id,
+                                                lease_token=lease.lease_token, results=results[i:i + 32])
             shards.complete_shard(session, shard_id=lease.shard_id, lease_token=lease.lease_token)
         worker_s = time.perf_counter() - start
 
@@ -124,9 +126,9 @@ def run_one(url: str, path: Path, lines: int) -> dict:
                          "usage": {"prompt_tokens": 40, "completion_tokens": 8, "total_tokens": 48,
                                    "prompt_tokens_details": {"cached_tokens": 32}}}).decode()
     with make_session() as session:
-        session.execute(update(Request).where(Request.job_id == job.id, Request.status == RequestStatus.PENDING)
-                        .values(status=RequestStatus.SUCCEEDED, response=body, prompt_tokens=40,
-                                completion_tokens=8, cached_tokens=32))
+        pending = update(Request).where(Request.job_id == job.id, Request.status == RequestStatus.PENDING)
+        session.execute(pending.values(status=RequestStatus.SUCCEEDED, response=body, prompt_tokens=40,
+                                       completion_tokens=8, cached_tokens=32))
         session.commit()
     with make_session() as session:
         exported, nbytes, start = 0, 0, time.perf_counter()
@@ -138,7 +140,8 @@ def run_one(url: str, path: Path, lines: int) -> dict:
     return {"ingest_s": ingest_s, "ingest_lps": lines / ingest_s, "ingest_cpu_s": ingest_cpu_s,
             "ingest_lp_cpu_s": lines / ingest_cpu_s, "rss_before_mb": rss_before,
             "ingest_peak_rss_mb": ingest_rss, "poll_ms_median": statistics.median(polls) * 1e3,
-            "poll_ms_p99": sorted(polls)[int(len(polls) * 0.99) - 1] * 1e3, "worker_writes_ps": written / worker_s,
+            "poll_ms_p99": sorted(polls)[int(len(polls) * 0.99) - 1] * 1e3,
+            "worker_writes_ps": written / worker_s,
             "export_lps": exported / export_s, "export_mb": nbytes / 1e6, "peak_rss_mb": peak_rss_mb()}
 
 
@@ -147,7 +150,8 @@ def postgres_database(admin_url: str) -> tuple[str, callable]:
     import sqlalchemy as sa
 
     name = f"bench_ingest_{uuid.uuid4().hex[:8]}"
-    admin = sa.create_engine(admin_url.replace("postgresql://", "postgresql+psycopg://"), isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(admin_url.replace("postgresql://", "postgresql+psycopg://"),
+                             isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
 
@@ -160,12 +164,14 @@ def postgres_database(admin_url: str) -> tuple[str, callable]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lines", type=int, default=1_000_000)
     parser.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
-    parser.add_argument("--postgres-url", default=os.environ.get("BATCHINFER_TEST_POSTGRES_URL",
-                                                                 "postgresql://postgres@127.0.0.1:5432/test"))
-    parser.add_argument("--workdir", default=None, help="where the JSONL and SQLite files go (default: a temp dir)")
+    parser.add_argument("--postgres-url", default=os.environ.get(
+        "BATCHINFER_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"))
+    parser.add_argument("--workdir", default=None,
+                        help="where the JSONL and SQLite files go (default: a temp dir)")
     parser.add_argument("--_child", nargs=2, metavar=("URL", "FILE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
@@ -192,8 +198,9 @@ def main() -> None:
         else:
             url, drop = postgres_database(args.postgres_url)
         try:
-            child = subprocess.run([sys.executable, __file__, "--lines", str(args.lines), "--_child", url, str(path)],
-                                   capture_output=True, text=True, check=False)
+            child = subprocess.run(
+                [sys.executable, __file__, "--lines", str(args.lines), "--_child", url, str(path)],
+                capture_output=True, text=True, check=False)
             if child.returncode != 0:
                 print(f"{db}: failed\n{child.stderr[-3000:]}")
                 continue
@@ -218,8 +225,9 @@ def main() -> None:
     print(f"\n{args.lines:,} lines   " + "".join(f"{db:>14}" for db in dbs) + "        target")
     for label, key, fmt, target in rows:
         print(f"{label:<24}" + "".join(f"{fmt.format(figures[db][key]):>14}" for db in dbs) + f"   {target}")
-    print(f"\nload average (1 min) before/after: {load_before:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus"
-          " (a shared machine: wall-clock figures shrink as the load grows; CPU figures less so)")
+    print(f"\nload average (1 min) before/after: {load_before:.1f} / {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} cpus (a shared machine: wall-clock figures shrink as the load grows; "
+          "CPU figures less so)")
     if len(dbs) == 2:
         ratio = figures["postgres"]["ingest_lps"] / figures["sqlite"]["ingest_lps"]
         print(f"\ningest postgres/sqlite = {ratio:.2f}x; export postgres/sqlite = "

@@ -131,7 +131,8 @@ def build_workload(tokenizer, args, rng: random.Random):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--min-prompt", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=1024)
@@ -171,11 +172,13 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f} at start")
     forward = "real SmolLM2-135M forward (greedy, the model's own EOS)" if args.real_forward else (
         "SmolLM2-135M engine, model forward stubbed (EOS at a per-request length drawn in [1, max_tokens])")
-    print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}..{max(map(len, prompts))} tokens "
-          f"(log-uniform, {sum(map(len, prompts)):,} in all), max_tokens {args.min_tokens}..{args.max_tokens} "
-          f"({sum(max_tokens):,} in all); {forward}")
+    print(f"workload: {len(prompts)} requests, "
+          f"prompts {min(map(len, prompts))}..{max(map(len, prompts))} tokens "
+          f"(log-uniform, {sum(map(len, prompts)):,} in all), "
+          f"max_tokens {args.min_tokens}..{args.max_tokens} ({sum(max_tokens):,} in all); {forward}")
     print(f"engine: block_size {args.block_size}, {engine.block_manager.num_total_blocks} KV blocks "
-          f"({engine.block_manager.num_total_blocks * args.block_size:,} slots), max_num_seqs {args.max_num_seqs}, "
+          f"({engine.block_manager.num_total_blocks * args.block_size:,} slots), "
+          f"max_num_seqs {args.max_num_seqs}, "
           f"max_model_len {args.max_model_len}, prefix caching on")
 
     paged, reserved, max_len = Waste(), Waste(), Waste()
@@ -191,7 +194,8 @@ def main() -> None:
     stats = engine.get_stats()
     print(f"ran {stats.num_steps} steps in {seconds:.1f}s; {sum(generated):,} tokens generated of "
           f"{sum(max_tokens):,} allowed ({sum(generated) / sum(max_tokens):.0%}); {stopped}/{len(outputs)} "
-          f"stopped on EOS; {stats.num_preemptions} preemptions; load average {os.getloadavg()[0]:.1f} at end")
+          f"stopped on EOS; {stats.num_preemptions} preemptions; "
+          f"load average {os.getloadavg()[0]:.1f} at end")
 
     peak = max(range(len(paged.allocated_per_step)), key=paged.allocated_per_step.__getitem__)
     rows = [("paged KV blocks (ours)", paged), ("contiguous, prompt + max_tokens per request", reserved),
@@ -202,11 +206,12 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for name, scheme in rows:
         at_peak = scheme.allocated_per_step[peak]
-        print(f"| {name} | {scheme.time_averaged:.2%} | {scheme.per_step[peak]:.2%} | {max(scheme.per_step):.2%} | "
-              f"{at_peak:,} | {at_peak / paged.allocated_per_step[peak]:.1f}x |")
+        print(f"| {name} | {scheme.time_averaged:.2%} | {scheme.per_step[peak]:.2%} | "
+              f"{max(scheme.per_step):.2%} | {at_peak:,} | {at_peak / paged.allocated_per_step[peak]:.1f}x |")
     worst = max(range(len(paged.per_step)), key=paged.per_step.__getitem__)
     verdict = "met" if paged.time_averaged < 0.04 else "NOT met"
-    print(f"\ntarget: paged waste under 4% (time-averaged): {verdict} ({paged.time_averaged:.2%}); at the peak "
+    print(f"\ntarget: paged waste under 4% (time-averaged): {verdict} ({paged.time_averaged:.2%}); "
+          "at the peak "
           f"({num_running[peak]} running sequences) {paged.per_step[peak]:.2%}; the worst paged step had "
           f"{num_running[worst]} running sequence(s) ({paged.per_step[worst]:.2%}).")
 

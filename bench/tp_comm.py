@@ -1,9 +1,10 @@
 """Per-decode-step communication cost of tensor parallelism on CPU (gloo): all-reduce + step broadcast.
 
 For each model (a tiny random Llama built with tests/fixtures/tiny_models, and SmolLM2 unless --no-smollm2),
---num-seqs greedy requests are prefilled, then --steps decode steps run with tensor_parallel_size=--tp (tiny) / --smollm2-tp, and
-the same with tp=1 (SmolLM2 has 9 query heads, so its smallest split is tp=3,
---smollm2-tp; on a 2-core machine its 3 ranks share 2 cores). For every decode-only step, rank 0 records (from batchinfer.engine.distributed.COMM_STATS):
+--num-seqs greedy requests are prefilled, then --steps decode steps run with tensor_parallel_size=--tp
+(tiny) / --smollm2-tp, and the same with tp=1 (SmolLM2 has 9 query heads, so its smallest split is tp=3,
+--smollm2-tp; on a 2-core machine its 3 ranks share 2 cores). For every decode-only step, rank 0 records
+(from batchinfer.engine.distributed.COMM_STATS):
   - step: the whole execute_model call on rank 0 (broadcast + forward + logits gather);
   - all-reduce: time inside the all-reduces (embedding + one per o_proj and down_proj), INCLUDING waiting
     for the slower rank to arrive, so it also holds load imbalance, not just data movement;
@@ -48,7 +49,8 @@ def measure_engine(model: str, tp: int, num_seqs: int, steps: int) -> dict[str, 
     samples: list[dict[str, float]] = []
 
     def timed_execute(scheduled):
-        before = (COMM_STATS.all_reduce_s, COMM_STATS.all_reduce_calls, COMM_STATS.gather_s, COMM_STATS.broadcast_s)
+        before = (COMM_STATS.all_reduce_s, COMM_STATS.all_reduce_calls, COMM_STATS.gather_s,
+                  COMM_STATS.broadcast_s)
         start = time.perf_counter()
         logits = inner_execute(scheduled)
         elapsed = time.perf_counter() - start
@@ -65,12 +67,14 @@ def measure_engine(model: str, tp: int, num_seqs: int, steps: int) -> dict[str, 
     runner.execute_model = timed_execute
     try:
         params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
-        prompts = [f"Item {i}: the quick brown fox jumps over the lazy dog number {i}" for i in range(num_seqs)]
+        prompts = [f"Item {i}: the quick brown fox jumps over the lazy dog number {i}"
+                   for i in range(num_seqs)]
         llm.generate(prompts, params)
     finally:
         llm.close()
     samples = samples[3:]  # warm-up
-    return {key: statistics.median(s[key] for s in samples) * (1 if key == "calls" else 1000) for key in samples[0]}
+    return {key: statistics.median(s[key] for s in samples) * (1 if key == "calls" else 1000)
+            for key in samples[0]}
 
 
 def _allreduce_worker(rank: int, world: int, port: int, shape: tuple[int, int], calls: int, reps: int,
@@ -92,7 +96,7 @@ def _allreduce_worker(rank: int, world: int, port: int, shape: tuple[int, int], 
 
 
 def pure_allreduce_ms(world: int, shape: tuple[int, int], calls: int, reps: int = 30) -> float:
-    """Milliseconds for `calls` back-to-back all-reduces of a `shape` fp32 tensor among `world` idle processes."""
+    """Milliseconds for `calls` back-to-back all-reduces of a `shape` fp32 tensor among `world` idle ranks."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -109,9 +113,11 @@ def pure_allreduce_ms(world: int, shape: tuple[int, int], calls: int, reps: int 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=2, help="for the tiny model (4 heads)")
-    parser.add_argument("--smollm2-tp", type=int, default=3, help="SmolLM2 has 9 heads: 3 is its smallest split")
+    parser.add_argument("--smollm2-tp", type=int, default=3,
+                        help="SmolLM2 has 9 heads: 3 is its smallest split")
     parser.add_argument("--num-seqs", type=int, default=8)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--no-smollm2", action="store_true")

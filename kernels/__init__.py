@@ -14,8 +14,8 @@ except ImportError as _exc:  # CPU-only install: keep the twins importable, fail
 
     def _needs_triton(name: str):
         def stub(*args, **kwargs):
-            raise ImportError(f"kernels.{name} needs the `triton` package; use kernels.{name}_ref on CPU") from (
-                _missing_triton)
+            message = f"kernels.{name} needs the `triton` package; use kernels.{name}_ref on CPU"
+            raise ImportError(message) from _missing_triton
 
         stub.__name__ = name
         return stub

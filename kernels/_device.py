@@ -22,5 +22,6 @@ def check_device(*tensors: torch.Tensor) -> None:
         if not t.is_cuda:
             raise ValueError(
                 f"Triton kernels need CUDA tensors, got a tensor on {t.device}; on CPU call the _ref twin "
-                "(kernels.reference), or run the interpreter: TRITON_INTERPRET=1 set before triton is imported."
+                "(kernels.reference), or run the interpreter: TRITON_INTERPRET=1 set before triton is "
+                "imported."
             )

@@ -110,7 +110,8 @@ def _paged_attention_kernel(
         tile_lo = 0
         tile_hi = num_tiles
 
-    # Finite start: a row with no visible key in this split keeps row_max finite, so exp2 never sees inf - inf.
+    # Finite start: a row with no visible key in this split keeps row_max finite, so exp2 never sees
+    # inf - inf.
     row_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
@@ -123,7 +124,8 @@ def _paged_attention_kernel(
         key_valid = key_pos < kv_end
         block = tl.load(block_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         slot = key_pos % BLOCK_SIZE
-        k = tl.load(k_base + block[None, :] * stride_kc_block + slot[None, :] * stride_kc_slot + dims[:, None],
+        k = tl.load(k_base + block[None, :] * stride_kc_block + slot[None, :] * stride_kc_slot
+                    + dims[:, None],
                     mask=dim_valid[:, None] & key_valid[None, :], other=0.0)  # [DIM_PAD, BLOCK_N]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(row_valid[:, None] & (key_pos[None, :] <= row_pos[:, None]), s, float("-inf"))
@@ -131,7 +133,8 @@ def _paged_attention_kernel(
         alpha = tl.exp2(row_max - new_max)
         p = tl.exp2(s - new_max[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + block[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot + dims[None, :],
+        v = tl.load(v_base + block[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot
+                    + dims[None, :],
                     mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_N, DIM_PAD]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
@@ -237,19 +240,23 @@ def _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out) -> No
     if q.dim() != 3:
         raise ValueError(f"q must be [T, num_heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError("k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"q has {num_heads} heads of dim {head_dim}; the cache has {num_kv_heads} kv heads of "
-                         f"dim {k_cache.shape[3]}: head dims must match and num_heads divide by num_kv_heads")
+        raise ValueError(f"q has {num_heads} heads of dim {head_dim}; the cache has {num_kv_heads} kv heads "
+                         f"of dim {k_cache.shape[3]}: head dims must match and num_heads divide by "
+                         "num_kv_heads")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
     num_seqs = seq_lens.shape[0]
-    for name, t, shape in (("cu_seqlens_q", cu_seqlens_q, (num_seqs + 1,)), ("seq_lens", seq_lens, (num_seqs,))):
+    for name, t, shape in (("cu_seqlens_q", cu_seqlens_q, (num_seqs + 1,)),
+                           ("seq_lens", seq_lens, (num_seqs,))):
         if t.dim() != 1 or tuple(t.shape) != shape or t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 (or int64) of shape {list(shape)}, got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(f"{name} must be int32 (or int64) of shape {list(shape)}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype not in (
             torch.int32, torch.int64):
         raise ValueError(f"block_tables must be int32 [{num_seqs}, max_blocks], got {block_tables.dtype} "

@@ -1,7 +1,7 @@
 """Pure-torch twins of the Triton kernels: they define what each kernel must compute.
 
 They run anywhere torch runs (the CPU engine path uses them) and are the oracle of the kernel tests.
-Layouts (shared contract 4):
+Layouts (ARCHITECTURE.md, contract 4 for the cache and slots, contract 3 for the step's batch):
   key/value            [T, num_kv_heads, head_dim]                 one row per new token
   k_cache/v_cache      [num_blocks, block_size, num_kv_heads, head_dim]
   slot_mapping         [T] int, slot = block_id * block_size + offset, -1 = do not store

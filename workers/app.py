@@ -14,12 +14,14 @@ from batchinfer.config import Settings, get_settings
 
 RUN_SHARD = "batchinfer.run_shard"
 RESCUE = "batchinfer.rescue"
+EXPIRE = "batchinfer.expire"
 SCHEDULE_TICK = "batchinfer.schedule_tick"
+PURGE = "batchinfer.purge"
 
-# Where beat's periodic tasks (rescue, schedule tick) go; model queues carry only run_shard.
+# Where the periodic tasks (rescue, expire, schedule tick) go; model queues carry only run_shard. Only
+# `batchinfer beat` consumes it: a model worker's solo pool is busy for a whole job at a time.
 CONTROL_QUEUE = "batchinfer.control"
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
-SCHEDULE_TICK_INTERVAL_S = 60.0
 
 
 def queue_name(model: str) -> str:
@@ -27,9 +29,17 @@ def queue_name(model: str) -> str:
     return f"batchinfer.{model}"
 
 
-def rescue_interval_s(settings: Settings) -> float:
-    """How often beat rescues expired leases: a quarter of a lease, at least every 5 seconds."""
-    return max(5.0, settings.lease_seconds / 4)
+def beat_schedule(settings: Settings) -> dict[str, dict]:
+    """The periodic tasks of a separately run `celery -A workers.celery_app beat`.
+
+    `batchinfer beat` runs the same duties in-process instead (workers.duties) and consumes these
+    messages too. Each message expires after one interval: after an outage nobody replays a backlog of
+    stale ticks (the next one does the same work).
+    """
+    periods = {RESCUE: settings.effective_rescue_interval_s, EXPIRE: settings.expiry_sweep_seconds,
+               SCHEDULE_TICK: settings.schedule_tick_seconds, PURGE: settings.purge_interval_seconds}
+    return {task: {"task": task, "schedule": period, "options": {"queue": CONTROL_QUEUE, "expires": period}}
+            for task, period in periods.items()}
 
 
 def create_celery_app(settings: Settings | None = None) -> Celery:
@@ -52,10 +62,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
         task_default_queue=CONTROL_QUEUE,
         # Redis re-delivers unacknowledged messages after this long; a shard run may take a while.
         broker_transport_options={"visibility_timeout": 6 * 3600},
-        beat_schedule={
-            "rescue-expired-shards": {"task": RESCUE, "schedule": rescue_interval_s(settings)},
-            "schedule-tick": {"task": SCHEDULE_TICK, "schedule": SCHEDULE_TICK_INTERVAL_S},
-        },
+        beat_schedule=beat_schedule(settings),
         timezone="UTC",
     )
     return app

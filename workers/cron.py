@@ -12,8 +12,6 @@ import glob
 import logging
 import os
 import tempfile
-import threading
-import time
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -24,12 +22,15 @@ import httpx
 import orjson
 
 from batchinfer.config import Settings, get_settings
+from batchinfer.destinations import check_schedule_path, schedule_roots
+from batchinfer.store import LOCAL_OWNER
 from batchinfer.store import schedules as store
 from batchinfer.store.db import session_factory
 from batchinfer.store.export import export_results
 from batchinfer.store.jobs import get_job
 from batchinfer.store.models import (
     JOB_TERMINAL_STATUSES,
+    Job,
     JobStatus,
     Schedule,
     ScheduleRun,
@@ -55,16 +56,20 @@ def tick(*, app: Celery | None = None, settings: Settings | None = None, now: da
     with sessions() as session:
         schedules = [s for s in store.list_schedules(session) if s.enabled]
     for schedule in schedules:
-        to_run, latest = store.due_slots(schedule, now=now)
-        for slot in to_run:
-            with sessions() as session:
-                run = store.claim_slot(session, schedule=schedule, slot_at=slot)
-            if run is not None:
-                start_run(run=run, schedule=schedule, settings=settings, app=app, now=now)
-                started += 1
-        if latest is not None:
-            with sessions() as session:
-                store.mark_skipped_slots(session, schedule=schedule, up_to=latest)
+        try:  # one schedule's trouble never keeps the others (or the outputs and webhooks) waiting
+            to_run, latest = store.due_slots(schedule, now=now)
+            for slot in to_run:
+                with sessions() as session:
+                    run = store.claim_slot(session, schedule=schedule, slot_at=slot)
+                if run is not None:
+                    start_run(run=run, schedule=schedule, settings=settings, app=app, now=now)
+                    started += 1
+            if latest is not None:
+                with sessions() as session:
+                    store.mark_skipped_slots(session, schedule=schedule, up_to=latest)
+        except Exception:
+            logger.exception("schedule %s: could not start its due slots; retrying at the next tick",
+                             schedule.name)
     finish_runs(settings=settings, now=now)
     deliver_webhooks(settings=settings, now=now, client=client)
     return started
@@ -85,37 +90,66 @@ def run_now(*, name: str, settings: Settings | None = None, app: Celery | None =
 
 def start_run(*, run: ScheduleRun, schedule: Schedule, settings: Settings, app: Celery | None = None,
               now: datetime | None = None) -> ScheduleRun:
-    """Resolve the input file of the run's slot and submit it as a job (or record why not)."""
+    """Resolve the input file of the run's slot and submit it as a job, or fail the run saying why.
+
+    Never raises for a problem of this run (no input, only directories matched, unreadable input, a
+    refused submit): the run is `failed` with the reason and its webhook queued, so it can neither stay
+    `pending` nor stop the tick from starting other runs.
+    """
     sessions = session_factory(settings.effective_database_url)
-    slot_local = run.slot_at.astimezone(ZoneInfo(schedule.timezone))
-    pattern = store.render_template(schedule.input_template, slot_local, name=schedule.name)
-    if glob.has_magic(pattern):
-        matches = sorted(glob.glob(pattern))
-    else:
-        matches = [pattern] if Path(pattern).is_file() else []
-    if not matches:
-        logger.warning("schedule %s slot %s: input %s not found", schedule.name, run.slot_at, pattern)
-        with sessions() as session:
-            run = store.update_run(session, run_id=run.id, status=ScheduleRunStatus.FAILED,
-                                   input_path=pattern, error=f"input file not found: {pattern}",
-                                   finished_at=now or utcnow())
-        enqueue_run_webhook(settings, run, schedule, job=None, now=now)
-        return run
-    path, temporary = _prepare_input(matches, schedule.params)
+    pattern = schedule.input_template
     try:
-        with sessions() as session:
-            job = submit_and_announce(
-                session=session, settings=settings, app=app, path=path, model=schedule.model,
-                owner=schedule.owner, idempotency_key=f"schedule-{schedule.id}-{run.slot_at.isoformat()}",
-                metadata={"schedule": schedule.name, "slot": run.slot_at.isoformat()})
-            job_id = job.id
-    finally:
-        if temporary:
-            os.unlink(path)
+        slot_local = run.slot_at.astimezone(ZoneInfo(schedule.timezone))
+        pattern = store.render_template(schedule.input_template, slot_local, name=schedule.name)
+        matches, directories = _input_files(pattern)
+        for match in matches:  # each file, symlinks followed: inside schedule_roots (batchinfer.destinations)
+            check_schedule_path(match, schedule_roots(settings), field="input")
+        if not matches:
+            error = f"input file not found: {pattern}"
+            if directories:
+                error += f" (it matched only directories, which are skipped: {', '.join(directories[:5])})"
+            logger.warning("schedule %s slot %s: %s", schedule.name, run.slot_at, error)
+            return _fail_run(run, schedule, settings=settings, now=now, input_path=pattern, error=error)
+        if directories:
+            logger.warning("schedule %s slot %s: skipped directories matching %s: %s", schedule.name,
+                           run.slot_at, pattern, ", ".join(directories[:5]))
+        path, temporary = _prepare_input(matches, schedule.params)
+        try:
+            with sessions() as session:
+                job = submit_and_announce(
+                    session=session, settings=settings, app=app, path=path, model=schedule.model,
+                    owner=schedule.owner or LOCAL_OWNER,  # schedules made before owners were set
+                    idempotency_key=f"schedule-{schedule.id}-{run.slot_at.isoformat()}",
+                    metadata={"schedule": schedule.name, "slot": run.slot_at.isoformat()})
+                job_id = job.id
+        finally:
+            if temporary:
+                os.unlink(path)
+    except Exception as exc:  # this run's problem only: record it, the tick goes on
+        logger.exception("schedule %s slot %s: could not start the run", schedule.name, run.slot_at)
+        return _fail_run(run, schedule, settings=settings, now=now, input_path=pattern,
+                         error=f"could not submit {pattern}: {exc}")
     with sessions() as session:
         run = store.update_run(session, run_id=run.id, status=ScheduleRunStatus.SUBMITTED, job_id=job_id,
                                input_path=",".join(matches))
     logger.info("schedule %s slot %s: submitted job %s", schedule.name, run.slot_at, job_id)
+    return run
+
+
+def _input_files(pattern: str) -> tuple[list[str], list[str]]:
+    """(files the input pattern names, directories it matched and that are skipped), each sorted."""
+    paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+    files = [path for path in paths if Path(path).is_file()]
+    return files, [path for path in paths if Path(path).is_dir()]
+
+
+def _fail_run(run: ScheduleRun, schedule: Schedule, *, settings: Settings, error: str,
+              now: datetime | None = None, job: Job | None = None, **values: Any) -> ScheduleRun:
+    """Record a run as failed with `error` and queue its webhook (status failed)."""
+    with session_factory(settings.effective_database_url)() as session:
+        run = store.update_run(session, run_id=run.id, status=ScheduleRunStatus.FAILED, error=error,
+                               finished_at=now or utcnow(), **values)
+    enqueue_run_webhook(settings, run, schedule, job=job, now=now)
     return run
 
 
@@ -149,34 +183,64 @@ def _with_defaults(line: bytes, defaults: dict[str, Any]) -> bytes:
 
 
 def finish_runs(*, settings: Settings, now: datetime | None = None) -> int:
-    """Write outputs of runs whose job ended (atomically) and queue their webhooks; returns runs finished."""
+    """Write outputs of runs whose job ended (atomically) and queue their webhooks; returns runs finished.
+
+    A run whose outputs cannot be written (a directory it may not write, a full disk, a bad template)
+    fails alone, with the reason on the run and in its webhook; the other runs are finished as usual.
+    """
     sessions = session_factory(settings.effective_database_url)
     finished = 0
     with sessions() as session:
         runs = store.runs_awaiting_outputs(session)
     for run in runs:
-        with sessions() as session:
-            job = get_job(session, job_id=run.job_id)
-            schedule = session.get(Schedule, run.schedule_id)
-            if job is None or schedule is None or job.status not in JOB_TERMINAL_STATUSES:
-                continue
-            slot_local = run.slot_at.astimezone(ZoneInfo(schedule.timezone))
-            output_path = errors_path = None
-            if schedule.output_template:
-                output_path = store.render_template(schedule.output_template, slot_local, name=schedule.name)
-                write_atomically(Path(output_path), export_results(session, job_id=job.id))
-            if schedule.errors_template:
-                errors_path = store.render_template(schedule.errors_template, slot_local, name=schedule.name)
-                write_atomically(Path(errors_path), export_results(session, job_id=job.id, kind="errors"))
-        completed = job.status == JobStatus.COMPLETED
-        status = ScheduleRunStatus.COMPLETED if completed else ScheduleRunStatus.FAILED
-        with sessions() as session:
-            run = store.update_run(session, run_id=run.id, status=status, output_path=output_path,
-                                   errors_path=errors_path, finished_at=now or utcnow(),
-                                   error=None if completed else f"job {job.status}")
-        enqueue_run_webhook(settings, run, schedule, job=job, now=now)
-        finished += 1
+        try:
+            finished += _finish_run(run, settings=settings, now=now)
+        except Exception:  # e.g. the database went away: this run is retried at the next tick
+            logger.exception("schedule run %s: could not be finished; retrying at the next tick", run.id)
     return finished
+
+
+def _finish_run(run: ScheduleRun, *, settings: Settings, now: datetime | None) -> int:
+    """Finish one run whose job ended: outputs, status, webhook. Returns 1 if it finished, 0 if not yet."""
+    output_path = errors_path = target = None
+    error: str | None = None
+    with session_factory(settings.effective_database_url)() as session:
+        job = get_job(session, job_id=run.job_id) if run.job_id is not None else None
+        schedule = session.get(Schedule, run.schedule_id)
+        if schedule is None or (job is not None and job.status not in JOB_TERMINAL_STATUSES):
+            return 0  # not done yet (or the schedule was removed meanwhile, its runs with it)
+        if job is None:
+            error = f"job batch_{run.job_id} no longer exists; there are no results to write"
+        else:
+            try:
+                slot_local = run.slot_at.astimezone(ZoneInfo(schedule.timezone))
+                if schedule.output_template:  # each path is recorded once its file is written
+                    target = store.render_template(schedule.output_template, slot_local, name=schedule.name)
+                    write_atomically(_confined(target, settings), export_results(session, job_id=job.id))
+                    output_path = target
+                if schedule.errors_template:
+                    target = store.render_template(schedule.errors_template, slot_local, name=schedule.name)
+                    write_atomically(_confined(target, settings),
+                                     export_results(session, job_id=job.id, kind="errors"))
+                    errors_path = target
+            except (OSError, ValueError, KeyError, IndexError) as exc:
+                logger.warning("schedule %s run %s: cannot write %s: %s", schedule.name, run.id, target, exc)
+                error = (f"job {job.status}, but its results could not be written to {target}: {exc} (they "
+                         f"stay in the database: `batchinfer results {job.batch_id} -o FILE`)")
+    if error is None and job is not None and job.status != JobStatus.COMPLETED:
+        error = f"job {job.status}"
+    status = ScheduleRunStatus.FAILED if error is not None else ScheduleRunStatus.COMPLETED
+    with session_factory(settings.effective_database_url)() as session:
+        run = store.update_run(session, run_id=run.id, status=status, output_path=output_path,
+                               errors_path=errors_path, finished_at=now or utcnow(), error=error)
+    enqueue_run_webhook(settings, run, schedule, job=job, now=now)
+    return 1
+
+
+def _confined(target: str, settings: Settings) -> Path:
+    """An output path, once checked to lie in schedule_roots (DestinationRefused, a ValueError, if not)."""
+    check_schedule_path(target, schedule_roots(settings), field="output")
+    return Path(target)
 
 
 def write_atomically(path: Path, lines: Iterable[bytes]) -> int:
@@ -197,17 +261,3 @@ def write_atomically(path: Path, lines: Iterable[bytes]) -> int:
             os.unlink(tmp)
         raise
     return count
-
-
-def scheduler_loop(*, settings: Settings | None = None, stop: threading.Event,
-                   interval_s: float = 60.0) -> None:
-    """`batchinfer scheduler`: tick once a minute (at the minute) until `stop` is set."""
-    settings = settings or get_settings()
-    while not stop.is_set():
-        try:
-            started = tick(settings=settings)
-            if started:
-                logger.info("started %d scheduled run(s)", started)
-        except Exception:  # a bad tick must not end the scheduler
-            logger.exception("schedule tick failed")
-        stop.wait(interval_s - (time.time() % interval_s))

@@ -2,7 +2,7 @@
 
 Announcing only wakes workers; the database decides who runs what (ARCHITECTURE.md, contract 9). So
 announcing twice is harmless (a taken shard ignores its message) and a lost announcement is repaired by
-`rescue_and_redispatch`, which beat runs every few seconds and every `batchinfer worker` runs at start.
+`rescue_and_redispatch`, the rescue duty that `batchinfer beat` and every worker run (workers.duties).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from celery import Celery
 
 logger = logging.getLogger("batchinfer.workers")
+MAX_ANNOUNCED_PER_JOB = 256  # wake-up messages a submit sends: one per shard, up to this many workers
 
 
 def announce(app: Celery, shards: Iterable[Shard]) -> int:
@@ -36,8 +37,14 @@ def announce(app: Celery, shards: Iterable[Shard]) -> int:
 
 
 def announce_job(*, session: Session, job_id: int, app: Celery) -> int:
-    """Announce the job's available shards; returns the messages sent."""
-    return announce(app, shard_store.list_shards(session, job_id=job_id, status=ShardStatus.AVAILABLE))
+    """Announce the job's available shards (at most MAX_ANNOUNCED_PER_JOB); returns the messages sent.
+
+    A message only wakes a worker, which then claims shard after shard from the database until none is
+    left; so a job of 25,000 shards needs no 25,000 messages (seconds of broker round trips in the submit).
+    Workers beyond that many are woken by the periodic rescue's wake-ups.
+    """
+    available = shard_store.list_shards(session, job_id=job_id, status=ShardStatus.AVAILABLE)
+    return announce(app, available[:MAX_ANNOUNCED_PER_JOB])
 
 
 def submit_and_announce(*, session: Session, settings: Settings, app: Celery | None = None,
@@ -78,3 +85,11 @@ def rescue_and_redispatch(*, app: Celery, settings: Settings | None = None,
     seen = {s.id for s in requeued}
     announce(app, requeued + [s for s in waiting if s.id not in seen])
     return report
+
+
+def wake_waiting(*, app: Celery, settings: Settings | None = None, wake_per_model: int = 2) -> int:
+    """Announce the first available shards of each model (after a worker handed shards back); returns sent."""
+    settings = settings or get_settings()
+    with session_factory(settings.effective_database_url)() as session:
+        waiting = shard_store.available_shards_per_model(session, limit_per_model=wake_per_model)
+    return announce(app, waiting)

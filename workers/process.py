@@ -10,12 +10,16 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from batchinfer.config import Settings, get_settings
 from batchinfer.store import shards as shard_store
 from batchinfer.store import workers as worker_store
-from batchinfer.store.db import session_factory
+from batchinfer.store.db import ping, session_factory
+from workers.metrics import WorkerMetrics
 from workers.runner import ProgressCallback, RunStats, ShardRunner
 
 if TYPE_CHECKING:
@@ -28,6 +32,8 @@ _process_runner: ShardRunner | None = None
 # The model this process serves; `batchinfer worker --model` sets it before the Celery worker starts.
 process_model: str | None = None
 process_engine_overrides: dict[str, Any] = {}
+# The port this process serves its metrics on (`batchinfer worker --metrics-port`); None: off.
+process_metrics_port: int | None = None
 # Set when the worker begins a warm shutdown (SIGTERM): runners stop claiming and hand shards back.
 shutdown_requested = threading.Event()
 
@@ -47,16 +53,23 @@ def build_engine(model: str, settings: Settings, **overrides: Any) -> Engine:
 
 
 def make_runner(*, model: str, settings: Settings | None = None, engine: Engine | None = None,
-                **engine_overrides: Any) -> ShardRunner:
-    """A ShardRunner over a new (or the given) engine, registered in the worker table."""
+                metrics_port: int | None = None, **engine_overrides: Any) -> ShardRunner:
+    """A ShardRunner over a new (or the given) engine, registered in the worker table.
+
+    With `metrics_port` the process serves its Prometheus metrics there (workers.metrics), started after
+    the engine is built so tensor-parallel rank processes never hold the port.
+    """
     settings = settings or get_settings()
     engine = engine if engine is not None else build_engine(model, settings, **engine_overrides)
+    metrics = WorkerMetrics.for_engine(engine)
+    metrics.serve(port=metrics_port, host=settings.worker_metrics_host)
     sessions = session_factory(settings.effective_database_url)
     worker_id = worker_id_for(model)
     with sessions() as session:
-        worker_store.register_worker(session, worker_id=worker_id, model=model,
-                                     hostname=socket.gethostname(), pid=os.getpid())
-    return ShardRunner(engine=engine, sessions=sessions, model=model, worker_id=worker_id, settings=settings)
+        worker_store.register_worker(session, worker_id=worker_id, model=model, hostname=socket.gethostname(),
+                                     pid=os.getpid(), info=metrics.heartbeat_info())
+    return ShardRunner(engine=engine, sessions=sessions, model=model, worker_id=worker_id, settings=settings,
+                       metrics=metrics)
 
 
 def process_worker() -> ShardRunner:
@@ -66,7 +79,8 @@ def process_worker() -> ShardRunner:
         if _process_runner is None:
             settings = get_settings()
             model = process_model or settings.default_model
-            _process_runner = make_runner(model=model, settings=settings, **process_engine_overrides)
+            _process_runner = make_runner(model=model, settings=settings, metrics_port=process_metrics_port,
+                                          **process_engine_overrides)
         return _process_runner
 
 
@@ -75,7 +89,50 @@ def run_process_shard(shard_id: int) -> RunStats:
 
     What the Celery task run_shard does; `shutdown_requested` (a warm shutdown) hands held shards back.
     """
-    return process_worker().work(first_shard_id=shard_id, stop=shutdown_requested)
+    return work_through_outages(process_worker(), first_shard_id=shard_id, stop=shutdown_requested)
+
+
+def is_database_outage(exc: BaseException) -> bool:
+    """True for errors that mean the database is (briefly) unreachable, not that a statement is wrong."""
+    return isinstance(exc, OperationalError | InterfaceError) or (
+        isinstance(exc, DBAPIError) and exc.connection_invalidated)
+
+
+def wait_and_hand_back(runner: ShardRunner, exc: BaseException, *, stop: threading.Event | None = None,
+                       max_delay_s: float = 5.0) -> None:
+    """After a database outage broke the runner's loop: wait for the database, then hand its shards back.
+
+    Until the database answers the shards keep their leases (nobody else can take them either); once it
+    does, finished results are written and the shards released, so they run again at once (pending
+    requests only) instead of waiting for their leases to expire.
+    """
+    logger.warning("database unreachable while running shards (%s); handing them back once it answers", exc)
+    delay = 0.5
+    while stop is None or not stop.is_set():
+        try:
+            with runner.sessions() as session:
+                ping(session)
+            stats = runner.hand_back()
+        except DBAPIError as again:
+            if not is_database_outage(again):
+                raise
+            time.sleep(delay)
+            delay = min(max_delay_s, delay * 2)
+            continue
+        logger.info("database back: handed %d shard(s) back", stats.shards_released)
+        return
+
+
+def work_through_outages(runner: ShardRunner, **work_args: Any) -> RunStats:
+    """runner.work(**work_args), resumed after a database outage (restart, failover) instead of failing."""
+    while True:
+        try:
+            return runner.work(**work_args)
+        except DBAPIError as exc:
+            if not is_database_outage(exc):
+                raise
+            wait_and_hand_back(runner, exc, stop=work_args.get("stop"))
+            work_args["first_shard_id"] = None  # claimed again (or by others) from the database
 
 
 def rescue_once(settings: Settings | None = None) -> shard_store.RescueReport:
@@ -92,16 +149,25 @@ def run_job(*, job_id: int, runner: ShardRunner, on_progress: ProgressCallback |
 
 
 def poll_forever(runner: ShardRunner, *, stop: threading.Event, max_backoff_s: float = 5.0) -> None:
-    """The broker-less worker: claim available shards from the database, backing off while idle."""
+    """The broker-less worker: claim available shards from the database, backing off while idle.
+
+    Rescue and expiry run beside it on the duty thread `batchinfer worker` starts (workers.duties).
+    """
     backoff = 0.2
     while not stop.is_set():
-        rescue_once(runner.settings)
-        stats = runner.work(stop=stop)
-        if stats.shards_completed or stats.shards_released:
-            backoff = 0.2
+        try:
+            stats = work_through_outages(runner, stop=stop)
+            if stats.shards_completed or stats.shards_released:
+                backoff = 0.2
+                continue
+            with runner.sessions() as session:  # idle: the reported throughput falls to 0
+                worker_store.worker_heartbeat(session, worker_id=runner.worker_id,
+                                              info=runner.metrics.heartbeat_info())
+        except DBAPIError as exc:  # the database is away while idle: wait, as the runner does
+            if not is_database_outage(exc):
+                raise
+            wait_and_hand_back(runner, exc, stop=stop)
             continue
-        with runner.sessions() as session:
-            worker_store.worker_heartbeat(session, worker_id=runner.worker_id)
         stop.wait(backoff)
         backoff = min(max_backoff_s, backoff * 2)
     with runner.sessions() as session:

@@ -28,10 +28,12 @@ from batchinfer.store import workers as worker_store
 from batchinfer.store.errors import LeaseLost
 from batchinfer.store.models import ShardStatus
 from batchinfer.store.shards import PendingRequest, ShardLease
+from workers.metrics import WorkerMetrics
+from workers.result_rows import error_row, result_row
 
 if TYPE_CHECKING:
     from batchinfer.engine.llm_engine import Engine
-    from batchinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from batchinfer.engine.outputs import RequestOutput
 
 logger = logging.getLogger("batchinfer.workers")
 
@@ -60,6 +62,7 @@ class _Submitted:
     shard_id: int
     request: PendingRequest
     prompt: str | list[int]
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -80,8 +83,10 @@ class ShardRunner:
     """Runs shards of one model on one engine; see the module docstring for the guarantees."""
 
     def __init__(self, *, engine: Engine, sessions: sessionmaker[Session], model: str, worker_id: str,
-                 settings: Settings, max_shards_in_flight: int = 4) -> None:
+                 settings: Settings, max_shards_in_flight: int = 4,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics if metrics is not None else WorkerMetrics.for_engine(engine)
         self.sessions = sessions
         self.model = model
         self.worker_id = worker_id
@@ -150,7 +155,7 @@ class ShardRunner:
             if shard_id is None and job_id is not None:
                 candidates = shard_store.list_shards(session, job_id=job_id, status=ShardStatus.AVAILABLE)
                 lease = None
-                for shard in candidates:
+                for shard in candidates:  # one job in this process: all its shards, whatever their model
                     lease = shard_store.claim_shard(session, worker_id=self.worker_id, shard_id=shard.id,
                                                     lease_seconds=self.settings.lease_seconds)
                     if lease is not None:
@@ -163,6 +168,7 @@ class ShardRunner:
             pending = shard_store.pending_requests(session, shard_id=lease.shard_id)
         flight = _Flight(lease=lease)
         self._flights[lease.shard_id] = flight
+        self.metrics.shard_claimed()
         logger.info("claimed shard %s of job %s (%d pending)", lease.shard_id, lease.job_id, len(pending))
         for request in pending:
             self._submit(flight, request)
@@ -172,21 +178,33 @@ class ShardRunner:
         engine_id = str(request.request_id)
         try:  # request.params was validated at ingest; the engine still checks it against this model
             prompt = self._prompt(request)
-            self.engine.add_request(engine_id, prompt, request.params)
+            salt = self._cache_salt(flight.lease)
+            self.engine.add_request(engine_id, prompt, request.params, cache_salt=salt)
         except (ValueError, TypeError) as exc:
-            flight.buffered.append(_error(request.request_id, "invalid_request", str(exc)))
+            flight.buffered.append(error_row(request, "invalid_request", str(exc)))
             return
         flight.outstanding.add(engine_id)
-        self._submitted[engine_id] = _Submitted(flight.lease.shard_id, request, prompt)
+        self._submitted[engine_id] = _Submitted(flight.lease.shard_id, request, prompt, salt)
+
+    def _cache_salt(self, lease: ShardLease) -> str | None:
+        """The job owner salts the prefix cache (no cross-tenant hits, README "Security"), unless global."""
+        return None if self.settings.prefix_cache_scope == "global" else f"owner:{lease.owner}"
 
     def _prompt(self, request: PendingRequest) -> str | list[int]:
         if request.messages is None:
             assert request.prompt is not None
             return request.prompt
-        text = self.engine.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
-                                                         tokenize=False)
+        options = request.options or {}  # add_generation_prompt, chat_template_kwargs: request_options.py
+        text = self.engine.tokenizer.apply_chat_template(
+            request.messages, add_generation_prompt=options.get("add_generation_prompt", True),
+            tokenize=False, **options.get("chat_template_kwargs", {}))
         # The template already holds the special tokens (BOS); tokenizing must not add them again.
         return self.engine.tokenize(text, add_special_tokens=False)
+
+    def _echo_text(self, submitted: _Submitted) -> str:
+        """The prompt as text, for echo (vLLM: a token-id prompt is decoded)."""
+        prompt = submitted.prompt
+        return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
     # --- results -------------------------------------------------------------------------------------
 
@@ -199,7 +217,9 @@ class ShardRunner:
         if flight is None:
             return tokens
         flight.outstanding.discard(output.request_id)
-        flight.buffered.append(_result(submitted.request, output))
+        echo = (submitted.request.options or {}).get("echo")
+        result = result_row(submitted.request, output, self._echo_text(submitted) if echo else "")
+        flight.buffered.append({**result, "model": self.model})  # a line's body.model may route it here
         stats.requests_finished += 1
         return tokens
 
@@ -218,10 +238,11 @@ class ShardRunner:
     def _flush(self, shard_id: int, flight: _Flight) -> bool:
         results, flight.buffered = flight.buffered, []
         try:
-            with self.sessions() as session:
+            with self.sessions() as session, self.metrics.timed_write(len(results)):
                 shard_store.write_results(session, shard_id=shard_id, lease_token=flight.lease.lease_token,
                                           results=results)
         except LeaseLost:
+            self.metrics.lease_lost()
             logger.warning("lease of shard %s lost; dropping it", shard_id)
             self._drop(shard_id)
             return False
@@ -234,7 +255,8 @@ class ShardRunner:
         if now - self._last_worker_beat >= WORKER_HEARTBEAT_S:
             self._last_worker_beat = now
             with self.sessions() as session:
-                worker_store.worker_heartbeat(session, worker_id=self.worker_id)
+                worker_store.worker_heartbeat(session, worker_id=self.worker_id,
+                                              info=self.metrics.heartbeat_info())
         for shard_id, flight in list(self._flights.items()):
             if now - flight.last_check < self._check_interval:
                 continue
@@ -262,9 +284,21 @@ class ShardRunner:
                                                         lease_token=flight.lease.lease_token)
                 logger.info("completed shard %s (job now %s)", shard_id, status)
                 stats.shards_completed += 1
+                self.metrics.shard_completed()
             except LeaseLost:
+                self.metrics.lease_lost()
                 logger.warning("lease of shard %s lost before completion", shard_id)
             self._flights.pop(shard_id, None)
+
+    def hand_back(self) -> RunStats:
+        """Abort what is in flight, write what finished, release every shard (after a database outage broke
+        the loop: workers.process.work_through_outages); results lost with a failed write run again."""
+        stats = RunStats()
+        self._release_all(stats)
+        for engine_id in self._submitted:  # requests whose shard was already dropped
+            self.engine.abort(engine_id)
+        self._submitted.clear()
+        return stats
 
     def _release_all(self, stats: RunStats) -> None:
         """Shutdown: abort what is in flight, keep what finished, hand the shards back."""
@@ -277,8 +311,10 @@ class ShardRunner:
 
     def _release(self, shard_id: int, flight: _Flight, stats: RunStats) -> None:
         with self.sessions() as session:
-            shard_store.release_shard(session, shard_id=shard_id, lease_token=flight.lease.lease_token)
+            if shard_store.release_shard(session, shard_id=shard_id, lease_token=flight.lease.lease_token):
+                logger.info("released shard %s (its finished results kept)", shard_id)
         stats.shards_released += 1
+        self.metrics.shard_released()
         self._flights.pop(shard_id, None)
 
     def _abort_requests(self, flight: _Flight) -> None:
@@ -303,7 +339,8 @@ class ShardRunner:
         for engine_id, submitted in suspects:
             flight = self._flights.get(submitted.shard_id)
             try:
-                self.engine.add_request(engine_id, submitted.prompt, submitted.request.params)
+                self.engine.add_request(engine_id, submitted.prompt, submitted.request.params,
+                                        cache_salt=submitted.cache_salt)
                 while self.engine.has_unfinished():
                     finished.extend(o for o in self.engine.step() if o.request_id == engine_id)
             except Exception as solo_exc:  # this request is the culprit
@@ -311,58 +348,7 @@ class ShardRunner:
                 self._submitted.pop(engine_id, None)
                 if flight is not None:
                     flight.outstanding.discard(engine_id)
-                    flight.buffered.append(_error(submitted.request.request_id, "engine_error",
+                    flight.buffered.append(error_row(submitted.request, "engine_error",
                                                   f"the engine failed on this request: {solo_exc}"))
         logger.info("isolated engine failure (%s): %d requests re-run alone", exc, len(suspects))
         return finished
-
-
-# --- result dicts (see batchinfer.store.results.apply_results) -------------------------------------
-
-
-def _error(request_id: int, code: str, message: str) -> dict[str, Any]:
-    return {"request_id": request_id, "error": {"code": code, "message": message}}
-
-
-def _result(request: PendingRequest, output: RequestOutput) -> dict[str, Any]:
-    choices = []
-    for completion in output.outputs:
-        choices.append({
-            "index": completion.index,
-            "text": completion.text,
-            "finish_reason": completion.finish_reason,
-            "logprobs": _logprobs(request, completion),
-        })
-    return {
-        "request_id": request.request_id,
-        "choices": choices,
-        "prompt_tokens": len(output.prompt_token_ids),
-        "completion_tokens": sum(len(c.token_ids) for c in output.outputs),
-        "cached_tokens": output.num_cached_tokens,
-    }
-
-
-def _logprobs(request: PendingRequest, completion: CompletionOutput) -> dict[str, Any] | None:
-    """OpenAI's logprobs object (chat: a `content` list; completions: parallel lists), or None."""
-    if not completion.logprobs:
-        return None
-    num_top = request.params.logprobs or 0
-    positions = []
-    for token_id, per_position in zip(completion.token_ids, completion.logprobs, strict=False):
-        chosen = per_position.get(token_id)
-        ranked = sorted(per_position.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
-        positions.append((chosen, ranked[:num_top]))
-    if request.endpoint == "chat":
-        return {"content": [{**_token_entry(chosen), "top_logprobs": [_token_entry(lp) for lp in top]}
-                            for chosen, top in positions]}
-    return {
-        "tokens": [_token_entry(chosen)["token"] for chosen, _ in positions],
-        "token_logprobs": [_token_entry(chosen)["logprob"] for chosen, _ in positions],
-        "top_logprobs": [{lp.decoded_token or "": lp.logprob for lp in top} for _, top in positions],
-    }
-
-
-def _token_entry(logprob: Logprob | None) -> dict[str, Any]:
-    token = (logprob.decoded_token or "") if logprob is not None else ""
-    return {"token": token, "logprob": logprob.logprob if logprob is not None else None,
-            "bytes": list(token.encode())}

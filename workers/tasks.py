@@ -1,16 +1,25 @@
 """The Celery task bodies, registered on an app by name (the names and the app live in workers.app).
 
-run_shard keeps this process's one engine busy; rescue and schedule_tick are beat's periodic duties and
-may run in any worker (they only touch the database and the broker).
+run_shard keeps this process's one engine busy. rescue, expire and schedule_tick are the periodic duties
+(workers.duties) as tasks on the control queue, for a separately run `celery beat`; `batchinfer beat`
+consumes them (and runs the same duties in-process anyway). They only touch the database and the broker.
 """
 
 from __future__ import annotations
 
+import logging
+
 from celery import Celery, signals
 
-from workers import cron, process
-from workers.app import RESCUE, RUN_SHARD, SCHEDULE_TICK
-from workers.dispatch import rescue_and_redispatch
+from batchinfer.config import get_settings
+from batchinfer.store.db import session_factory
+from batchinfer.store.jobs import expire_jobs
+from workers import process
+from workers.app import EXPIRE, PURGE, RESCUE, RUN_SHARD, SCHEDULE_TICK
+from workers.dispatch import rescue_and_redispatch, wake_waiting
+from workers.duties import purge_duty, schedule_duty
+
+logger = logging.getLogger("batchinfer.workers")
 
 
 def register_tasks(app: Celery) -> Celery:
@@ -21,17 +30,33 @@ def register_tasks(app: Celery) -> Celery:
     @app.task(name=RUN_SHARD, acks_late=True, ignore_result=True)
     def run_shard(shard_id: int) -> None:
         """Claim `shard_id` (a no-op if it is taken) and keep the engine busy until no shard is left."""
-        process.run_process_shard(shard_id)
+        stats = process.run_process_shard(shard_id)
+        if stats.shards_released:  # a warm shutdown handed shards back: wake the workers that stay
+            try:
+                wake_waiting(app=app)
+            except Exception:  # the broker is away: the periodic rescue wakes them instead
+                logger.warning("could not announce the shards handed back", exc_info=True)
 
     @app.task(name=RESCUE, ignore_result=True)
     def rescue() -> int:
         """Return expired leases to the queue (single-flight in the database)."""
         return len(rescue_and_redispatch(app=app).requeued)
 
+    @app.task(name=EXPIRE, ignore_result=True)
+    def expire() -> int:
+        """Expire jobs past their completion window (single-flight in the database)."""
+        with session_factory(get_settings().effective_database_url)() as session:
+            return len(expire_jobs(session))
+
     @app.task(name=SCHEDULE_TICK, ignore_result=True)
-    def schedule_tick() -> int:
-        """Turn due schedule slots into jobs (exactly once per slot)."""
-        return cron.tick(app=app)
+    def schedule_tick() -> None:
+        """Turn due schedule slots into jobs (exactly once per slot), one ticker at a time."""
+        schedule_duty(get_settings(), app=app).run()
+
+    @app.task(name=PURGE, ignore_result=True)
+    def purge() -> None:
+        """Delete expired files and finished jobs past their retention (store.retention)."""
+        purge_duty(get_settings()).run()
 
     return app
 

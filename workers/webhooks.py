@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import datetime
 
 import httpx
@@ -20,6 +21,7 @@ import orjson
 from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings
+from batchinfer.destinations import check_webhook_url
 from batchinfer.store import schedules as store
 from batchinfer.store.db import session_factory
 from batchinfer.store.models import Job, Schedule, ScheduleRun, utcnow
@@ -28,6 +30,7 @@ SIGNATURE_HEADER = "X-Batchinfer-Signature"
 TIMESTAMP_HEADER = "X-Batchinfer-Timestamp"
 WEBHOOK_MAX_ATTEMPTS = 8
 WEBHOOK_BASE_DELAY_S = 30.0
+MAX_CONCURRENT_DELIVERIES = 16
 
 
 def sign(secret: str, timestamp: str, body: bytes) -> str:
@@ -66,7 +69,13 @@ def enqueue_run_webhook(settings: Settings, run: ScheduleRun, schedule: Schedule
 
 def deliver_webhooks(*, settings: Settings, now: datetime | None = None,
                      client: httpx.Client | None = None) -> int:
-    """POST due webhooks with their signature; failures are retried later with backoff. Returns delivered."""
+    """POST due webhooks with their signature, concurrently; failures are retried later with backoff.
+
+    Each call is bounded by webhook_timeout_seconds as a whole (a receiver that hangs or trickles its
+    answer fails alone and does not hold the tick), and its URL is checked again before it is called
+    (batchinfer.destinations: a host may resolve elsewhere than when the schedule was added). Returns
+    how many were delivered.
+    """
     now = now or utcnow()
     sessions = session_factory(settings.effective_database_url)
     with sessions() as session:
@@ -74,30 +83,43 @@ def deliver_webhooks(*, settings: Settings, now: datetime | None = None,
                for d in store.due_webhooks(session, now=now)]
     if not due:
         return 0
+    timeout = settings.webhook_timeout_seconds
     owns_client = client is None
-    client = client or httpx.Client(timeout=10.0)
-    delivered = 0
+    client = client or httpx.Client(timeout=timeout, follow_redirects=False)
+    pool = ThreadPoolExecutor(max_workers=min(len(due), MAX_CONCURRENT_DELIVERIES),
+                              thread_name_prefix="webhook")
+    late: set = set()
     try:
-        for delivery_id, url, body, secret in due:
-            timestamp = str(int(time.time()))
-            headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: timestamp}
-            if secret:
-                headers[SIGNATURE_HEADER] = sign(secret, timestamp, body)
-            try:
-                response = client.post(url, content=body, headers=headers)
-                ok = response.is_success
-                error = None if ok else f"HTTP {response.status_code}"
-            except httpx.HTTPError as exc:
-                ok, error = False, f"{type(exc).__name__}: {exc}"
-            with sessions() as session:
-                store.record_webhook_attempt(session, delivery_id=delivery_id, ok=ok, error=error, now=now,
-                                             max_attempts=WEBHOOK_MAX_ATTEMPTS,
-                                             base_delay_s=WEBHOOK_BASE_DELAY_S)
-            delivered += ok
+        calls = {pool.submit(_post, client, settings, url, body, secret): delivery_id
+                 for delivery_id, url, body, secret in due}
+        done, late = wait(calls, timeout=timeout + 1.0)
+        outcomes = [(calls[f], *f.result()) for f in done]
+        outcomes += [(calls[f], False, f"no answer within {timeout:g} s (webhook_timeout_seconds)")
+                     for f in late]
     finally:
-        if owns_client:
+        pool.shutdown(wait=False, cancel_futures=True)  # a late call ends by its own httpx timeout
+        if owns_client and not late:
             client.close()
-    return delivered
+    with sessions() as session:
+        for delivery_id, ok, error in outcomes:
+            store.record_webhook_attempt(session, delivery_id=delivery_id, ok=ok, error=error, now=now,
+                                         max_attempts=WEBHOOK_MAX_ATTEMPTS, base_delay_s=WEBHOOK_BASE_DELAY_S)
+    return sum(ok for _, ok, _ in outcomes)
+
+
+def _post(client: httpx.Client, settings: Settings, url: str, body: bytes,
+          secret: str | None) -> tuple[bool, str | None]:
+    """One delivery attempt: (delivered, the error if not)."""
+    timestamp = str(int(time.time()))
+    headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: timestamp}
+    if secret:
+        headers[SIGNATURE_HEADER] = sign(secret, timestamp, body)
+    try:
+        check_webhook_url(url, allow_private=settings.webhook_allow_private)
+        response = client.post(url, content=body, headers=headers)
+    except Exception as exc:  # HTTPError, InvalidURL, a refused address: this delivery fails alone, retried
+        return False, f"{type(exc).__name__}: {exc}"
+    return response.is_success, None if response.is_success else f"HTTP {response.status_code}"
 
 
 def _secret(session: Session, run_id: int) -> str | None:

@@ -7,7 +7,6 @@ would let anyone run (and read) jobs.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,10 +18,13 @@ from batchinfer.api import metrics
 from batchinfer.api.cache import PollCache
 from batchinfer.api.deps import AUTH_CACHE_TTL_S, STATUS_CACHE_TTL_S, shutdown_ingest_pool
 from batchinfer.api.errors import install_error_handlers
-from batchinfer.api.routes import batches, files, health
+from batchinfer.api.loopback import LoopbackOnly, is_loopback
+from batchinfer.api.routes import batches, files, health, ui
 from batchinfer.config import Settings, get_settings
 from batchinfer.store.db import session_factory
 from batchinfer.store.files import files_dir
+
+__all__ = ["UnsafeConfiguration", "create_app", "is_loopback"]
 
 logger = logging.getLogger("batchinfer.api")
 
@@ -34,17 +36,6 @@ a batch from it (`POST /v1/batches`), poll it (`GET /v1/batches/{id}`) and downl
 
 class UnsafeConfiguration(RuntimeError):
     """Settings that would expose the API without authentication."""
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost, 127.0.0.0/8 and ::1 (the only hosts where auth may be disabled)."""
-    host = host.strip().strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def create_app(settings: Settings | None = None, *, auth_cache_ttl_s: float = AUTH_CACHE_TTL_S,
@@ -85,6 +76,8 @@ def create_app(settings: Settings | None = None, *, auth_cache_ttl_s: float = AU
     app.include_router(batches.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
-    if settings.auth_disabled:
+    ui.install(app)  # the web dashboard at /ui, behind the same API keys
+    if settings.auth_disabled:  # Host, Origin and the bound address must be loopback (loopback.py)
+        app.add_middleware(LoopbackOnly)
         logger.warning("AUTHENTICATION IS DISABLED: every request acts as owner 'local' (loopback only)")
     return app

@@ -17,12 +17,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from batchinfer.api.cache import PollCache
 from batchinfer.api.errors import APIError
 from batchinfer.config import Settings
+from batchinfer.store import LOCAL_OWNER
 from batchinfer.store.apikeys import authenticate, hash_key
 
 INGEST_THREADS = 2  # concurrent batch ingests; more would only contend for the database write lock
 AUTH_CACHE_TTL_S = 1.0  # a revoked key stops working within this long (status polls skip the key lookup)
 STATUS_CACHE_TTL_S = 1.0  # a polled batch object is at most this stale (changes made here drop it at once)
-LOCAL_OWNER = "local"  # the owner of everything when auth is disabled (loopback only)
 
 # auto_error=False: a missing or malformed header is answered by us, in OpenAI's error shape.
 _bearer = HTTPBearer(auto_error=False, description="An API key from `batchinfer apikey create`.")

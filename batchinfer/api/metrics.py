@@ -4,6 +4,7 @@ from the database at scrape time (batchinfer.store.stats, cheap by construction)
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator
 
@@ -22,7 +23,8 @@ from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from batchinfer.engine.metrics import PREFIX
+from batchinfer.api.errors import APIError
+from batchinfer.engine.metrics import PREFIX, model_label
 from batchinfer.store.models import JobStatus, ShardStatus
 from batchinfer.store.stats import job_totals_by_status, open_shards_by_model
 
@@ -83,8 +85,12 @@ class JobsCollector(Collector):
             jobs.add_metric([status], count)
         for status, count in request_totals.items():
             requests.add_metric([status], count)
+        by_label: dict[tuple[bool, str], int] = {}  # model names, never file paths (model_label)
         for status, model, count in shards:
-            (queue if status == ShardStatus.AVAILABLE else running).add_metric([model], count)
+            key = (status == ShardStatus.AVAILABLE, model_label(model))
+            by_label[key] = by_label.get(key, 0) + count
+        for (available, label), count in by_label.items():
+            (queue if available else running).add_metric([label], count)
         yield from (jobs, requests, queue, running)
 
 
@@ -100,7 +106,17 @@ router = APIRouter(tags=["operations"])
 
 @router.get("/metrics", include_in_schema=False)
 def metrics(request: Request) -> Response:
-    """Prometheus exposition: process metrics, then job metrics from the database."""
+    """Prometheus exposition: process metrics, then job metrics from the database.
+
+    With settings.metrics_token set, the scrape must send `Authorization: Bearer <metrics_token>` (401).
+    """
+    token = request.app.state.settings.metrics_token
+    if token is not None and token.get_secret_value():
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(),
+                                                                    token.get_secret_value().encode()):
+            raise APIError(401, "/metrics needs 'Authorization: Bearer <metrics_token>' (the metrics_token "
+                           "setting).", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     body = generate_latest(REGISTRY) + generate_latest(request.app.state.jobs_registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 

@@ -11,6 +11,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's expiration policy: `seconds` (one hour to 30 days) after the anchor."""
+
+    anchor: Literal["created_at"] = Field(description="Only 'created_at': the file's creation (a batch's "
+                                          "output file is created when the batch ends).")
+    seconds: int = Field(ge=3600, le=30 * 86400)
+
+
 class CreateBatchRequest(BaseModel):
     """OpenAI's create-batch body, plus `model` (the model to run; default: the server's default model)."""
 
@@ -25,6 +33,15 @@ class CreateBatchRequest(BaseModel):
                                    description="OpenAI accepts only '24h'; also <n>s|m|h|d")
     metadata: dict[str, str] | None = Field(None, examples=[{"team": "nlp"}])
     model: str | None = Field(None, max_length=256, description="Extension: the model to run this batch on.")
+    on_invalid: Literal["skip", "fail"] | None = Field(None, description=(
+        "Extension: 'fail' is OpenAI's all-or-nothing validation (one bad line fails the batch, its "
+        "`errors` list the lines); 'skip' (the default) errors bad lines alone and runs the rest."))
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1, description=(
+        "Extension: lower runs first (vLLM's convention); default 0."))
+    shard_size: int | None = Field(None, ge=1, le=1_000_000, description=(
+        "Extension: requests per shard; default the server's shard_size setting."))
+    output_expires_after: ExpiresAfter | None = Field(None, description=(
+        "When the output and error files expire: the batch and its results are purged then."))
 
 
 class BatchErrorItem(BaseModel):
@@ -55,8 +72,15 @@ class BatchProgress(BaseModel):
     """Extension: how far the batch is (OpenAI clients ignore it)."""
 
     fraction: float
-    tokens_per_second: float | None = None
-    eta_seconds: float | None = None
+    tokens_per_second: float | None = Field(None, description="Generated tokens per second since the "
+                                                              "first shard was claimed.")
+    requests_per_second: float | None = Field(None, description="Requests finished by workers per second "
+                                                                "since the first shard was claimed.")
+    eta_seconds: float | None = Field(None, description="Seconds left at the measured throughput; null "
+                                                        "until the first requests finished.")
+    started_at: int | None = Field(None, description="When a worker first claimed one of its shards.")
+    note: str | None = Field(None, description="Why the batch does not move, e.g. no live worker serves "
+                                               "its model.")
 
 
 class BatchObject(BaseModel):

@@ -7,7 +7,7 @@ it (or before reading, when Content-Length already says so).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from fastapi import Request
@@ -31,6 +31,7 @@ class Upload:
     staged: file_store.StagedUpload
     filename: str
     purpose: str
+    fields: dict[str, str] = field(default_factory=dict)  # every small form field (the web form sends more)
 
 
 async def receive_upload(request: Request, settings: Settings) -> Upload:
@@ -51,7 +52,7 @@ async def receive_upload(request: Request, settings: Settings) -> Upload:
     except BaseException:
         staged.tmp_path.unlink(missing_ok=True)
         raise
-    return Upload(staged, form.filename or DEFAULT_FILENAME, form.fields["purpose"])
+    return Upload(staged, form.filename or DEFAULT_FILENAME, form.fields["purpose"], dict(form.fields))
 
 
 def _too_large(max_bytes: int) -> APIError:
@@ -77,16 +78,28 @@ class StreamingForm:
         self._in_file = False
         self._value = bytearray()
         self._file_data = bytearray()
+        self.complete = False  # the closing boundary (--boundary--) was seen: the body was not cut off
+        self._parts = 0
 
     def on_part_begin(self) -> None:
         self._disposition, self._name, self._in_file = b"", "", False
         self._value.clear()
+        self._parts += 1
+        if self._parts > self.settings.max_form_fields:  # every part held in memory is a field but one
+            raise APIError(413, f"Too many form fields: the limit is {self.settings.max_form_fields} "
+                           "(max_form_fields); send 'file' and 'purpose'.", code="too_many_fields")
 
     def on_header_field(self, data: bytes, start: int, end: int) -> None:
         self._header_name += data[start:end]
+        self._check_header()
 
     def on_header_value(self, data: bytes, start: int, end: int) -> None:
         self._header_value += data[start:end]
+        self._check_header()
+
+    def _check_header(self) -> None:
+        if len(self._header_name) + len(self._header_value) > MAX_FIELD_BYTES:
+            raise bad_request(f"Invalid multipart body: a part header is over {MAX_FIELD_BYTES} bytes.")
 
     def on_header_end(self) -> None:
         if bytes(self._header_name).lower() == b"content-disposition":
@@ -106,6 +119,9 @@ class StreamingForm:
             raise bad_request("Send exactly one file per upload.", param="file")
         check_purpose(self.fields.get("purpose"), required=False)  # refuse before reading the file
         self.filename = options[b"filename"].decode("utf-8", "replace").replace("\\", "/").rsplit("/", 1)[-1]
+        if "\x00" in self.filename:  # PostgreSQL text cannot hold it; refuse before reading the file
+            raise bad_request("Invalid filename: it contains the NUL character (\\u0000); rename the file.",
+                              param="file", code="invalid_value")
         self.writer = file_store.UploadWriter(self.settings.data_dir,
                                               max_bytes=self.settings.max_upload_bytes,
                                               max_line_bytes=self.settings.max_line_bytes)
@@ -119,6 +135,9 @@ class StreamingForm:
             raise bad_request(f"Form field '{self._name}' is longer than {MAX_FIELD_BYTES} bytes.",
                               param=self._name or None)
         self._value += data[start:end]
+
+    def on_end(self) -> None:
+        self.complete = True
 
     def on_part_end(self) -> None:
         if not self._in_file and self._name:
@@ -141,13 +160,21 @@ class StreamingForm:
             "on_part_begin": self.on_part_begin, "on_part_data": self.on_part_data,
             "on_part_end": self.on_part_end, "on_header_field": self.on_header_field,
             "on_header_value": self.on_header_value, "on_header_end": self.on_header_end,
-            "on_headers_finished": self.on_headers_finished,
+            "on_headers_finished": self.on_headers_finished, "on_end": self.on_end,
         })
         try:
+            received, limit = 0, self.settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES
             async for chunk in request.stream():
+                received += len(chunk)
+                if received > limit:  # the whole body, chunked or not, fields included
+                    raise _too_large(self.settings.max_upload_bytes)
                 parser.write(chunk)
                 await self._flush(force=False)
             parser.finalize()
+            if not self.complete:  # python-multipart's finalize() accepts a body cut off mid-part
+                raise bad_request("Invalid multipart body: it ended before its closing boundary (the "
+                                  "upload was cut off); nothing was stored, send the whole file again.",
+                                  param="file")
             await self._flush(force=True)
             if self.writer is None:
                 return None

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
-from batchinfer.config import get_settings
+from batchinfer.cli.context import cli_settings
+from batchinfer.cli.output import emit, json_option
 
 
 @click.command("api")
@@ -14,12 +17,14 @@ from batchinfer.config import get_settings
               help="Serve without API keys (everything belongs to owner 'local'). Loopback hosts only.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def api(host: str | None, port: int | None, auth_disabled: bool | None, log_level: str) -> None:
+@json_option("Print the start line as one JSON object on stdout (url, host, port, auth, pid).")
+def api(host: str | None, port: int | None, auth_disabled: bool | None, log_level: str,
+        as_json: bool) -> None:
     """Serve /v1/files, /v1/batches, /metrics and /docs. Run `batchinfer worker` to execute the batches."""
     import uvicorn
 
     from batchinfer.api.app import create_app, is_loopback
-    from batchinfer.store.db import upgrade
+    from batchinfer.cli.backend import prepare_database
 
     updates: dict[str, object] = {}
     if host is not None:
@@ -28,16 +33,21 @@ def api(host: str | None, port: int | None, auth_disabled: bool | None, log_leve
         updates["api_port"] = port
     if auth_disabled:
         updates["auth_disabled"] = True
-    settings = get_settings().model_copy(update=updates)
+    settings = cli_settings(**updates)
     if settings.auth_disabled:
         if not is_loopback(settings.api_host):
             raise click.UsageError(
-                f"--auth-disabled is refused on {settings.api_host}: anyone who can reach it could run and read "
-                "batches. Bind 127.0.0.1, or create a key with `batchinfer apikey create --name NAME`."
+                f"--auth-disabled is refused on {settings.api_host}: anyone who can reach it could run and "
+                "read batches. Bind 127.0.0.1, or create a key with `batchinfer apikey create --name NAME`."
             )
         click.secho("WARNING: authentication is DISABLED. Every request acts as owner 'local'; "
-                    f"only {settings.api_host} (loopback) can reach this server.", fg="red", bold=True, err=True)
-    upgrade(settings.effective_database_url)
+                    f"only {settings.api_host} (loopback) can reach this server.",
+                    fg="red", bold=True, err=True)
+    prepare_database(settings, migrate=True)  # a fresh data dir is created and migrated, as elsewhere
     app = create_app(settings)
-    click.echo(f"batchinfer API on http://{settings.api_host}:{settings.api_port} (docs at /docs)", err=True)
+    url = f"http://{settings.api_host}:{settings.api_port}"
+    emit({"event": "api_started", "url": url, "host": settings.api_host, "port": settings.api_port,
+          "auth_disabled": settings.auth_disabled, "pid": os.getpid()})
+    if not as_json:
+        click.echo(f"batchinfer API on {url} (docs at /docs)", err=True)
     uvicorn.run(app, host=settings.api_host, port=settings.api_port, log_level=log_level)

@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
-from batchinfer.config import get_settings
+from batchinfer.cli.output import emit, fail, json_option
 
 
 def _session():  # noqa: ANN202 - sqlalchemy is imported lazily
-    from batchinfer.store.db import session_factory, upgrade
+    """A session on the database, created and migrated on first use (a fresh data dir included)."""
+    from batchinfer.cli.backend import prepare_database
+    from batchinfer.cli.context import cli_settings
+    from batchinfer.store.db import session_factory
 
-    url = get_settings().effective_database_url
-    upgrade(url)
-    return session_factory(url)()
+    return session_factory(prepare_database(cli_settings(), migrate=True))()
+
+
+def _key_object(row: Any) -> dict[str, Any]:
+    """A key's public fields (never the key itself)."""
+
+    def when(value: Any) -> str | None:
+        return value.isoformat() if value is not None else None
+
+    return {"id": row.id, "name": row.name, "owner": row.owner, "prefix": row.prefix,
+            "created_at": when(row.created_at), "last_used_at": when(row.last_used_at),
+            "revoked_at": when(row.revoked_at)}
 
 
 @click.group()
@@ -24,7 +38,8 @@ def apikey() -> None:
 @click.option("--name", required=True, help="A label for the key (also its owner unless --owner is given).")
 @click.option("--owner", default=None, help="The owner whose files and batches the key sees (default: NAME). "
               "Give several keys the same owner to rotate them.")
-def create(name: str, owner: str | None) -> None:
+@json_option("Print the key and its fields as one JSON object (the key is in it: store it now).")
+def create(name: str, owner: str | None, as_json: bool) -> None:
     """Create a key and print it once: it is stored hashed and cannot be shown again."""
     from batchinfer.store.apikeys import create_key
 
@@ -32,28 +47,37 @@ def create(name: str, owner: str | None) -> None:
         try:
             plaintext, row = create_key(session, name=name, owner=owner)
         except ValueError as exc:
-            raise click.BadParameter(str(exc)) from None
-    click.echo(plaintext)
-    click.echo(f"(key id {row.id}, owner {row.owner!r}; store it now: it will not be shown again)", err=True)
+            fail(f"--name/--owner: {exc}")
+        info = _key_object(row)
+    emit({"key": plaintext, **info}, plaintext)
+    if not as_json:
+        click.echo(f"(key id {info['id']}, owner {info['owner']!r}; store it now: it will not be shown "
+                   "again)", err=True)
 
 
 @apikey.command("list")
 @click.option("--all", "include_revoked", is_flag=True, help="Include revoked keys.")
-def list_(include_revoked: bool) -> None:
+@json_option("One JSON object per key.")
+def list_(include_revoked: bool, as_json: bool) -> None:
     """List keys: id, name, owner, prefix, created, last used, revoked (never the key itself)."""
     from batchinfer.store.apikeys import list_keys
 
-    def when(value: object) -> str:
-        return value.strftime("%Y-%m-%d %H:%M:%S") if value is not None else "-"  # type: ignore[attr-defined]
-
     with _session() as session:
-        rows = list_keys(session, include_revoked=include_revoked)
-    if not rows:
+        keys = [_key_object(row) for row in list_keys(session, include_revoked=include_revoked)]
+    if as_json:
+        for key in keys:
+            emit(key)
+        return
+    if not keys:
         click.echo("no API keys (create one with `batchinfer apikey create --name NAME`)")
         return
+
+    def when(value: str | None) -> str:
+        return value[:19].replace("T", " ") if value else "-"
+
     header = ("ID", "NAME", "OWNER", "PREFIX", "CREATED", "LAST USED", "REVOKED")
-    table = [header] + [(str(r.id), r.name or "", r.owner, r.prefix + "...", when(r.created_at),
-                         when(r.last_used_at), when(r.revoked_at)) for r in rows]
+    table = [header] + [(str(k["id"]), k["name"] or "", k["owner"], k["prefix"] + "...",
+                         when(k["created_at"]), when(k["last_used_at"]), when(k["revoked_at"])) for k in keys]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
@@ -61,12 +85,14 @@ def list_(include_revoked: bool) -> None:
 
 @apikey.command("revoke")
 @click.argument("key_id", type=int)
-def revoke(key_id: int) -> None:
+@json_option("Print the revoked key's fields as one JSON object.")
+def revoke(key_id: int, as_json: bool) -> None:
     """Revoke the key with id KEY_ID (requests with it get 401 from now on)."""
     from batchinfer.store.apikeys import revoke_key
 
     with _session() as session:
         row = revoke_key(session, key_id=key_id)
-    if row is None:
-        raise click.ClickException(f"no API key with id {key_id} (see `batchinfer apikey list --all`)")
-    click.echo(f"revoked key {row.id} ({row.name}, owner {row.owner!r})")
+        if row is None:
+            fail(f"no API key with id {key_id} (see `batchinfer apikey list --all`)")
+        info = _key_object(row)
+    emit(info, f"revoked key {info['id']} ({info['name']}, owner {info['owner']!r})")

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from batchinfer.config import Settings
-
-LOCAL_OWNER = "local"
+from batchinfer.store import LOCAL_OWNER
 
 
 class BackendError(RuntimeError):
@@ -26,7 +25,7 @@ class Backend(Protocol):
                metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
                completion_window: str | None) -> dict[str, Any]: ...
 
-    def get(self, batch_id: str) -> dict[str, Any]: ...
+    def get(self, batch_id: str, *, patient: bool = False) -> dict[str, Any]: ...
 
     def list(self, *, limit: int, after: str | None) -> list[dict[str, Any]]: ...
 
@@ -35,18 +34,27 @@ class Backend(Protocol):
     def results(self, batch_id: str, kind: str) -> Iterator[bytes]: ...
 
 
+def prepare_database(settings: Settings, *, migrate: bool = False) -> str:
+    """The database URL, ready: an SQLite file gets its data_dir and is migrated on first use; another
+    database is migrated only with `migrate` (`batchinfer db upgrade` is its usual way)."""
+    from batchinfer.store.db import upgrade
+
+    url = settings.effective_database_url
+    if url.startswith("sqlite"):
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    if migrate or url.startswith("sqlite"):
+        upgrade(url)
+    return url
+
+
 class LocalBackend:
     """Jobs in the configured database (SQLite by default); migrates an SQLite file on first use."""
 
-    def __init__(self, settings: Settings) -> None:
-        from batchinfer.store.db import session_factory, upgrade
+    def __init__(self, settings: Settings, *, migrate: bool = False) -> None:
+        from batchinfer.store.db import session_factory
 
         self.settings = settings
-        url = settings.effective_database_url
-        if url.startswith("sqlite"):
-            settings.data_dir.mkdir(parents=True, exist_ok=True)
-            upgrade(url)
-        self.sessions = session_factory(url)
+        self.sessions = session_factory(prepare_database(settings, migrate=migrate))
 
     def _job_id(self, batch_id: str) -> int:
         from batchinfer.store.serialize import parse_batch_id
@@ -56,10 +64,10 @@ class LocalBackend:
             raise BackendError(f"{batch_id!r} is not a batch id; batch ids look like batch_42")
         return job_id
 
-    def _batch(self, job: Any) -> dict[str, Any]:
-        from batchinfer.store.serialize import batch_object
+    def _batch(self, job: Any, session: Any) -> dict[str, Any]:
+        from batchinfer.store.serialize import current_batch_object
 
-        return batch_object(job)
+        return current_batch_object(session, job)
 
     def submit(self, path: Path, *, model: str, shard_size: int | None, priority: int,
                metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
@@ -76,17 +84,17 @@ class LocalBackend:
                                           on_invalid=on_invalid, completion_window=completion_window)
             except JobError as exc:
                 raise BackendError(str(exc)) from None
-            return self._batch(job)
+            return self._batch(job, session)
 
-    def get(self, batch_id: str) -> dict[str, Any]:
-        """The batch object of one job."""
+    def get(self, batch_id: str, *, patient: bool = False) -> dict[str, Any]:
+        """The batch object of one job (`patient` matters only to a server)."""
         from batchinfer.store.jobs import get_job
 
         with self.sessions() as session:
             job = get_job(session, job_id=self._job_id(batch_id), owner=LOCAL_OWNER)
             if job is None:
                 raise BackendError(f"batch {batch_id} not found")
-            return self._batch(job)
+            return self._batch(job, session)
 
     def list(self, *, limit: int, after: str | None) -> list[dict[str, Any]]:
         """Newest jobs first."""
@@ -95,7 +103,7 @@ class LocalBackend:
         with self.sessions() as session:
             after_id = self._job_id(after) if after else None
             jobs = list_jobs(session, owner=LOCAL_OWNER, after=after_id, limit=limit)
-            return [self._batch(job) for job in jobs]
+            return [self._batch(job, session) for job in jobs]
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         """Cancel a job; finished results are kept."""
@@ -109,10 +117,10 @@ class LocalBackend:
                 raise BackendError(f"batch {batch_id} not found") from None
             except JobStateError as exc:
                 raise BackendError(str(exc)) from None
-            return self._batch(job)
+            return self._batch(job, session)
 
     def results(self, batch_id: str, kind: str) -> Iterator[bytes]:
-        """The output (kind="output") or error (kind="errors") lines, in input order."""
+        """The output (kind="output"), error (kind="errors") or both (kind="all") lines, in input order."""
         from batchinfer.store.export import export_results
 
         job_id = self._job_id(batch_id)
@@ -124,10 +132,11 @@ class LocalBackend:
 class RemoteBackend:
     """Jobs on a batchinfer server, over its OpenAI-compatible REST API."""
 
-    def __init__(self, server: str, api_key: str | None) -> None:
+    def __init__(self, server: str, api_key: str | None, *, patience_seconds: float = 120.0) -> None:
         from batchinfer.cli.remote import RemoteClient
 
-        self.client = RemoteClient(server, api_key)
+        self.client = RemoteClient(server, api_key, on_retry=_say_retry)
+        self.patience_seconds = patience_seconds  # how long a --wait poll retries a restarting server
 
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         from batchinfer.cli.remote import RemoteError
@@ -140,13 +149,15 @@ class RemoteBackend:
     def submit(self, path: Path, *, model: str, shard_size: int | None, priority: int,
                metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
                completion_window: str | None) -> dict[str, Any]:
-        """Upload the file and create a batch (server-side defaults for shard size and priority)."""
+        """Upload the file and create a batch with the same options a local submit takes."""
         return self._call(self.client.submit, path, model=model, metadata=metadata,
-                          completion_window=completion_window or "24h", idempotency_key=idempotency_key)
+                          completion_window=completion_window or "24h", idempotency_key=idempotency_key,
+                          on_invalid=on_invalid, priority=priority, shard_size=shard_size)
 
-    def get(self, batch_id: str) -> dict[str, Any]:
-        """The batch object from the server."""
-        return self._call(self.client.get, batch_id)
+    def get(self, batch_id: str, *, patient: bool = False) -> dict[str, Any]:
+        """The batch object from the server; `patient` (a --wait poll) outlasts a server restart."""
+        return self._call(self.client.get, batch_id,
+                          retry_seconds=self.patience_seconds if patient else None)
 
     def list(self, *, limit: int, after: str | None) -> list[dict[str, Any]]:
         """Newest batches first."""
@@ -173,9 +184,19 @@ class RemoteBackend:
             raise BackendError(str(exc)) from None
 
 
+def _say_retry(message: str) -> None:
+    """Tell a person (not a --json reader: stderr stays errors only) that the server is being retried."""
+    import click
+
+    from batchinfer.cli.output import json_mode
+
+    if not json_mode():
+        click.echo(f"server unreachable: {message}", err=True)
+
+
 def backend_for(settings: Settings) -> Backend:
     """Remote when a server is configured (--server / BATCHINFER_SERVER), else the local database."""
     if settings.server:
         key = settings.api_key.get_secret_value() if settings.api_key else None
-        return RemoteBackend(settings.server, key)
+        return RemoteBackend(settings.server, key, patience_seconds=settings.server_retry_seconds)
     return LocalBackend(settings)

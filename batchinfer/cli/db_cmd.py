@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from batchinfer.config import get_settings, mask_url_password
+from batchinfer.cli.context import cli_settings
+from batchinfer.cli.output import emit, json_option
+from batchinfer.config import mask_url_password
 
 
 @click.group()
@@ -14,13 +16,15 @@ def db() -> None:
 
 @db.command("upgrade")
 @click.option("--revision", default="head", show_default=True, help="Alembic revision to upgrade to.")
-def upgrade(revision: str) -> None:
+@json_option("Print the database and revision as one JSON object.")
+def upgrade(revision: str, as_json: bool) -> None:
     """Create or migrate the database schema."""
     from batchinfer.store.db import upgrade as run_upgrade
 
-    settings = get_settings()
+    settings = cli_settings()
     url = settings.effective_database_url
     if url.startswith("sqlite"):
         settings.data_dir.mkdir(parents=True, exist_ok=True)
     run_upgrade(url, revision)
-    click.echo(f"database at {mask_url_password(url)} is at revision {revision}")
+    emit({"database_url": mask_url_password(url), "revision": revision},
+         f"database at {mask_url_password(url)} is at revision {revision}")

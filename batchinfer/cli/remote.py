@@ -1,34 +1,44 @@
 """A small client of a batchinfer server's OpenAI-compatible API, used by the CLI when --server is set.
 
-It speaks the same wire format as the `openai` package (files + batches), plus two extensions the
-server understands: a batch-level `model` (the model for lines whose body names none) and the
-`progress` object in batch responses.
+It speaks the same wire format as the `openai` package (files + batches), plus the extensions the
+server understands: batch-level `model` (the model for lines whose body names none), `on_invalid`,
+`priority` and `shard_size` in the create-batch body, and the `progress` object in batch responses.
+
+A server that restarts is not an error: transport failures (refused or dropped connections, timeouts)
+and 502/503/504 answers are retried with exponential backoff and jitter (tenacity) for up to
+`retry_seconds`; a request that may not have reached the server is retried only when repeating it is
+harmless (reads, a create with an idempotency key, or a connection that was never made).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_exponential_jitter
 
 DEFAULT_TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 UPLOAD_TIMEOUT = httpx.Timeout(None, connect=10.0)  # large files take as long as they take
 MAX_PAGE = 100  # the server's largest page of batches
+QUICK_RETRY_SECONDS = 5.0  # one command's patience with an unreachable server (a --wait poll: the setting)
+_RETRY_STATUSES = frozenset({502, 503, 504})  # a proxy or load balancer in front of a restarting server
+_NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)  # retrying these cannot repeat an effect
 
 
 class RemoteError(RuntimeError):
     """The server answered with an error (OpenAI shape) or could not be reached."""
 
     def __init__(self, message: str, *, status_code: int | None = None, type: str | None = None,  # noqa: A002
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, transient: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.type = type
         self.param = param
         self.code = code
+        self.transient = transient  # worth retrying: the server may be restarting
 
     def __str__(self) -> str:
         where = f" (HTTP {self.status_code})" if self.status_code else ""
@@ -39,12 +49,15 @@ class RemoteClient:
     """Files and batches on a batchinfer (or any OpenAI-compatible) server, raising RemoteError on failure."""
 
     def __init__(self, server: str, api_key: str | None = None, *, timeout: httpx.Timeout = DEFAULT_TIMEOUT,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, retry_seconds: float = QUICK_RETRY_SECONDS,
+                 on_retry: Callable[[str], None] | None = None) -> None:
         base = server.rstrip("/")
         if not base.endswith("/v1"):
             base += "/v1"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=base, headers=headers, timeout=timeout, transport=transport)
+        self.retry_seconds = retry_seconds
+        self._on_retry = on_retry
 
     def __enter__(self) -> RemoteClient:
         return self
@@ -56,12 +69,33 @@ class RemoteClient:
         """Close the connection pool."""
         self._http.close()
 
-    def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self._http.request(method, url, **kwargs)
-        except httpx.HTTPError as exc:
-            raise RemoteError(f"cannot reach {self._http.base_url}: {exc}") from exc
-        _raise_for_error(response)
+    def _retrying(self, retry_seconds: float | None) -> Retrying:
+        """Retry transient failures with exponential backoff and jitter for up to `retry_seconds`."""
+        return Retrying(retry=retry_if_exception(lambda exc: isinstance(exc, RemoteError) and exc.transient),
+                        stop=stop_after_delay(self.retry_seconds if retry_seconds is None else retry_seconds),
+                        wait=wait_exponential_jitter(initial=0.25, max=5.0), before_sleep=self._say_retry,
+                        reraise=True)
+
+    def _say_retry(self, state: RetryCallState) -> None:
+        if self._on_retry is not None and state.outcome is not None and state.next_action is not None:
+            self._on_retry(f"{state.outcome.exception()}; retrying in {state.next_action.sleep:.1f}s "
+                           f"(attempt {state.attempt_number + 1})")
+
+    def _request(self, method: str, url: str, *, replayable: bool | None = None,
+                 retry_seconds: float | None = None, **kwargs: Any) -> httpx.Response:
+        """One call, retried while the server is unreachable. `replayable`: whether a request that may
+        have reached the server can be sent again (default: reads can)."""
+        replayable = method == "GET" if replayable is None else replayable
+        for attempt in self._retrying(retry_seconds):
+            with attempt:
+                try:
+                    response = self._http.request(method, url, **kwargs)
+                except httpx.TransportError as exc:
+                    raise RemoteError(f"cannot reach {self._http.base_url}: {exc}",
+                                      transient=replayable or isinstance(exc, _NEVER_SENT)) from exc
+                except httpx.HTTPError as exc:
+                    raise RemoteError(f"cannot reach {self._http.base_url}: {exc}") from exc
+                _raise_for_error(response, transient=replayable)
         return response
 
     def upload(self, path: str | Path, *, purpose: str = "batch") -> dict[str, Any]:
@@ -70,38 +104,41 @@ class RemoteClient:
         with path.open("rb") as fh:
             files = {"file": (path.name, fh, "application/jsonl")}
             return self._request("POST", "/files", data={"purpose": purpose}, files=files,
-                                 timeout=UPLOAD_TIMEOUT).json()
+                                 timeout=UPLOAD_TIMEOUT, replayable=False).json()
 
     def create_batch(self, input_file_id: str, *, endpoint: str | None = None, completion_window: str = "24h",
                      metadata: dict[str, str] | None = None, model: str | None = None,
-                     idempotency_key: str | None = None) -> dict[str, Any]:
+                     idempotency_key: str | None = None, on_invalid: str | None = None,
+                     priority: int | None = None, shard_size: int | None = None) -> dict[str, Any]:
         """Create a batch from an uploaded file; returns the Batch object.
 
         With `idempotency_key` the server returns the batch it first created under that key (a retried
-        nightly submit does not run twice)."""
+        nightly submit does not run twice), so the create is retried like a read."""
         body: dict[str, Any] = {"input_file_id": input_file_id, "endpoint": endpoint,
                                 "completion_window": completion_window}  # endpoint None: lines may mix both
-        if metadata:
-            body["metadata"] = metadata
-        if model:
-            body["model"] = model
+        extensions = {"metadata": metadata or None, "model": model or None, "on_invalid": on_invalid,
+                      "priority": priority, "shard_size": shard_size}
+        body.update({key: value for key, value in extensions.items() if value is not None})
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        return self._request("POST", "/batches", json=body, headers=headers).json()
+        return self._request("POST", "/batches", json=body, headers=headers,
+                             replayable=idempotency_key is not None).json()
 
     def submit(self, path: str | Path, *, model: str | None = None, metadata: dict[str, str] | None = None,
                completion_window: str = "24h", endpoint: str | None = None,
-               idempotency_key: str | None = None) -> dict[str, Any]:
+               idempotency_key: str | None = None, on_invalid: str | None = None,
+               priority: int | None = None, shard_size: int | None = None) -> dict[str, Any]:
         """Upload `path` and create a batch from it; returns the Batch object.
 
         Without `endpoint` each line may use either endpoint (as `batchinfer submit` does locally)."""
         uploaded = self.upload(path)
         return self.create_batch(uploaded["id"], endpoint=endpoint,
                                  completion_window=completion_window, metadata=metadata, model=model,
-                                 idempotency_key=idempotency_key)
+                                 idempotency_key=idempotency_key, on_invalid=on_invalid, priority=priority,
+                                 shard_size=shard_size)
 
-    def get(self, batch_id: str) -> dict[str, Any]:
-        """The Batch object of `batch_id`."""
-        return self._request("GET", f"/batches/{batch_id}").json()
+    def get(self, batch_id: str, *, retry_seconds: float | None = None) -> dict[str, Any]:
+        """The Batch object of `batch_id` (retried for `retry_seconds`, default the client's)."""
+        return self._request("GET", f"/batches/{batch_id}", retry_seconds=retry_seconds).json()
 
     def list(self, limit: int = 20, after: str | None = None) -> dict[str, Any]:
         """Up to `limit` batches, newest first, as one OpenAI list object (pages of 100 fetched as needed)."""
@@ -121,32 +158,44 @@ class RemoteClient:
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         """Ask the server to cancel `batch_id`; returns the Batch object (cancelling or cancelled)."""
-        return self._request("POST", f"/batches/{batch_id}/cancel").json()
+        return self._request("POST", f"/batches/{batch_id}/cancel", replayable=True).json()  # idempotent
 
     def file(self, file_id: str) -> dict[str, Any]:
         """The File object of `file_id`."""
         return self._request("GET", f"/files/{file_id}").json()
 
     def content(self, file_id: str) -> Iterator[bytes]:
-        """The lines of a file's content (each with its trailing newline), streamed."""
-        try:
-            with self._http.stream("GET", f"/files/{file_id}/content", timeout=UPLOAD_TIMEOUT) as response:
+        """The lines of a file's content (each with its trailing newline), streamed; opening the stream is
+        retried like any read, a failure once lines have come is not (they cannot be taken back)."""
+        for attempt in self._retrying(None):
+            with attempt:
+                try:
+                    request = self._http.build_request("GET", f"/files/{file_id}/content",
+                                                       timeout=UPLOAD_TIMEOUT)
+                    response = self._http.send(request, stream=True)
+                except httpx.TransportError as exc:
+                    raise RemoteError(f"cannot reach {self._http.base_url}: {exc}", transient=True) from exc
                 if response.is_error:
                     response.read()
-                    _raise_for_error(response)
-                pending = b""
-                for chunk in response.iter_bytes():
-                    pending += chunk
-                    *lines, pending = pending.split(b"\n")
-                    for line in lines:
-                        yield line + b"\n"
-                if pending:
-                    yield pending
+                    response.close()
+                    _raise_for_error(response, transient=True)
+        try:
+            pending = b""
+            for chunk in response.iter_bytes():
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    yield line + b"\n"
+            if pending:
+                yield pending
         except httpx.HTTPError as exc:
             raise RemoteError(f"cannot reach {self._http.base_url}: {exc}") from exc
+        finally:
+            response.close()
 
 
-def _raise_for_error(response: httpx.Response) -> None:
+def _raise_for_error(response: httpx.Response, *, transient: bool = False) -> None:
+    """Raise RemoteError for an error answer; a 502/503/504 is transient when `transient` allows."""
     if not response.is_error:
         return
     try:
@@ -157,4 +206,5 @@ def _raise_for_error(response: httpx.Response) -> None:
         error = {"message": str(error)}
     message = error.get("message") or f"{response.reason_phrase or 'error'} from {response.request.url}"
     raise RemoteError(message, status_code=response.status_code, type=error.get("type"),
-                      param=error.get("param"), code=error.get("code"))
+                      param=error.get("param"), code=error.get("code"),
+                      transient=transient and response.status_code in _RETRY_STATUSES)

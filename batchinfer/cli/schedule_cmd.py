@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import signal
-import sys
 import threading
 from typing import Any
 
 import click
 import orjson
 
+from batchinfer.cli.output import emit, fail, json_option
 from batchinfer.config import get_settings
 
 
@@ -20,8 +21,7 @@ def _sessions() -> Any:
 
 
 def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(1)
+    fail(message)  # one line, or a JSON object under --json (output.py)
 
 
 def _describe(schedule: Any) -> dict[str, Any]:
@@ -81,9 +81,10 @@ def schedule() -> None:
               help="HMAC-SHA256 secret for the X-Batchinfer-Signature header.")
 @click.option("--catchup", type=click.Choice(["latest", "all", "none"]), default="latest", show_default=True,
               help="After downtime: run the newest missed slot, every missed slot, or none.")
+@json_option("Print the schedule as one JSON object.")
 def add(name: str, cron: str, timezone: str, input_template: str, output_template: str | None,
         errors_template: str | None, model: str | None, param: tuple[str, ...], webhook_url: str | None,
-        webhook_secret: str | None, catchup: str) -> None:
+        webhook_secret: str | None, catchup: str, as_json: bool) -> None:
     """Create a schedule."""
     from batchinfer.store.schedules import ScheduleError, add_schedule
 
@@ -97,11 +98,11 @@ def add(name: str, cron: str, timezone: str, input_template: str, output_templat
         except ScheduleError as exc:
             _fail(str(exc))
         info = _describe(created)
-    click.echo(f"schedule {name}: next run {info['next_run']}")
+    emit(info, f"schedule {name}: next run {info['next_run']}")
 
 
 @schedule.command("list")
-@click.option("--json", "as_json", is_flag=True)
+@json_option("One JSON object per schedule.")
 def list_(as_json: bool) -> None:
     """List schedules."""
     from batchinfer.store.schedules import list_schedules
@@ -119,7 +120,7 @@ def list_(as_json: bool) -> None:
 
 @schedule.command("show")
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True)
+@json_option("Print the schedule and its runs as one JSON object.")
 def show(name: str, as_json: bool) -> None:
     """Show a schedule and its latest runs."""
     from batchinfer.store.schedules import ScheduleError, get_schedule, list_runs
@@ -152,26 +153,29 @@ def _toggle(name: str, enabled: bool) -> None:
             set_enabled(session, name=name, enabled=enabled)
         except ScheduleError as exc:
             _fail(str(exc))
-    click.echo(f"schedule {name} {'resumed' if enabled else 'paused'}")
+    emit({"name": name, "enabled": enabled}, f"schedule {name} {'resumed' if enabled else 'paused'}")
 
 
 @schedule.command("pause")
 @click.argument("name")
-def pause(name: str) -> None:
+@json_option("Print {name, enabled} as one JSON object.")
+def pause(name: str, as_json: bool) -> None:
     """Stop starting runs (until resume)."""
     _toggle(name, False)
 
 
 @schedule.command("resume")
 @click.argument("name")
-def resume(name: str) -> None:
+@json_option("Print {name, enabled} as one JSON object.")
+def resume(name: str, as_json: bool) -> None:
     """Start runs again from the next slot (slots missed while paused are skipped)."""
     _toggle(name, True)
 
 
 @schedule.command("remove")
 @click.argument("name")
-def remove(name: str) -> None:
+@json_option("Print {name, removed} as one JSON object.")
+def remove(name: str, as_json: bool) -> None:
     """Delete a schedule and its run history (jobs stay)."""
     from batchinfer.store.schedules import ScheduleError, remove_schedule
 
@@ -180,12 +184,13 @@ def remove(name: str) -> None:
             remove_schedule(session, name=name)
         except ScheduleError as exc:
             _fail(str(exc))
-    click.echo(f"schedule {name} removed")
+    emit({"name": name, "removed": True}, f"schedule {name} removed")
 
 
 @schedule.command("run-now")
 @click.argument("name")
-def run_now_cmd(name: str) -> None:
+@json_option("Print {name, batch_id, slot} as one JSON object.")
+def run_now_cmd(name: str, as_json: bool) -> None:
     """Start a run now, outside the cron slots."""
     from batchinfer.store.schedules import ScheduleError
     from workers.cron import run_now
@@ -197,18 +202,32 @@ def run_now_cmd(name: str) -> None:
         _fail(str(exc))
     if run.error:
         _fail(run.error)
-    click.echo(f"schedule {name}: started batch_{run.job_id}")
+    emit({"name": name, "batch_id": f"batch_{run.job_id}", "slot": run.slot_at.isoformat()},
+         f"schedule {name}: started batch_{run.job_id}")
 
 
 @click.command()
-@click.option("--interval", type=float, default=60.0, show_default=True, help="Seconds between ticks.")
-def scheduler(interval: float) -> None:
-    """Run the schedule tick in this process (no broker needed); Ctrl-C to stop."""
-    from workers.cron import scheduler_loop
+@click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds between schedule ticks (default: settings.schedule_tick_seconds).")
+@json_option("Print the start line as one JSON object on stdout.")
+def scheduler(interval: float | None, as_json: bool) -> None:
+    """Run the periodic duties in this process (no broker needed): schedule ticks and webhooks, expiry,
+    rescue. Ctrl-C to stop."""
+    import logging
 
+    from workers.duties import control_duties, run_duties
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = get_settings()
+    if interval is not None:
+        settings = settings.model_copy(update={"schedule_tick_seconds": interval})
     _sessions()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    click.echo("scheduler running; jobs it submits are run by `batchinfer worker`", err=True)
-    scheduler_loop(stop=stop, interval_s=interval)
+    emit({"event": "scheduler_started", "schedule_tick_seconds": settings.schedule_tick_seconds,
+          "pid": os.getpid()})
+    if not as_json:
+        click.echo(f"scheduler running (tick every {settings.schedule_tick_seconds:g}s); jobs it submits are "
+                   "run by `batchinfer worker`", err=True)
+    run_duties(control_duties(settings), stop=stop)

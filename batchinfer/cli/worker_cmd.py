@@ -1,16 +1,20 @@
-"""`batchinfer worker` (one per GPU), `batchinfer workers` (who is alive), `batchinfer beat` and `rescue`."""
+"""`batchinfer worker` (one per GPU), `batchinfer workers` (who is alive), `batchinfer beat` and `rescue`.
+
+Who runs which periodic duty in each deployment shape: workers.duties (and the README's "Reliability").
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
-import sys
 import threading
 from typing import TYPE_CHECKING
 
 import click
 import orjson
 
+from batchinfer.cli.output import emit, fail, json_option
 from batchinfer.config import get_settings
 
 if TYPE_CHECKING:
@@ -26,8 +30,12 @@ def _setup_logging(level: str) -> None:
               help="The model this worker serves (default: settings.default_model).")
 @click.option("--device", default=None, help="cpu, cuda, cuda:N (default: settings.device).")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None, help="GPUs per engine.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve Prometheus metrics on this port (default: settings.worker_metrics_port; 0: off).")
 @click.option("--log-level", default="info", show_default=True)
-def worker(model: str | None, device: str | None, tensor_parallel_size: int | None, log_level: str) -> None:
+@json_option("Print the start line as one JSON object on stdout (model, mode, queue, pid).")
+def worker(model: str | None, device: str | None, tensor_parallel_size: int | None, metrics_port: int | None,
+           log_level: str, as_json: bool) -> None:
     """Run a long-lived worker: Celery on the model's queue with a broker, else poll the database."""
     import workers.process as process
     from batchinfer.cli.backend import LocalBackend
@@ -43,9 +51,11 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
         overrides["tensor_parallel_size"] = tensor_parallel_size
     process.process_model = model
     process.process_engine_overrides = overrides
-    if settings.broker_url:
-        import os
+    process.process_metrics_port = metrics_port if metrics_port is not None else settings.worker_metrics_port
+    from workers.duties import start_duties, worker_duties
 
+    duties_stop = threading.Event()  # rescue + expiry beside the shards, whatever runs beat (duties.py)
+    if settings.broker_url:
         from workers.app import queue_name
         from workers.celery_app import worker_app
         from workers.dispatch import rescue_and_redispatch
@@ -55,9 +65,15 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
         # The solo pool runs tasks in this process (no fork): load the engine (and register the worker) now,
         # so "ready" means ready and the first shard does not wait for the model.
         process.process_worker()
+        start_duties(worker_duties(settings, app=app), stop=duties_stop)
         node = f"batchinfer-{os.path.basename(model)}-{os.getpid()}@%h"
-        app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_name(model), "-n", node,
-                         f"--loglevel={log_level.upper()}", "--without-gossip", "--without-mingle"])
+        emit({"event": "worker_started", "model": model, "mode": "celery", "queue": queue_name(model),
+              "pid": os.getpid()})
+        try:
+            app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_name(model), "-n", node,
+                             f"--loglevel={log_level.upper()}", "--without-gossip", "--without-mingle"])
+        finally:
+            duties_stop.set()
         return
 
     _say_rescued(process.rescue_once(settings))
@@ -69,13 +85,23 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    click.echo(f"worker for {model}: polling {settings.public_dict()['database_url']} (no broker)", err=True)
-    process.poll_forever(process.make_runner(model=model, settings=settings, **overrides), stop=stop)
+    # As with Celery: the engine is loaded (and the worker registered) before the start line says so.
+    runner = process.make_runner(model=model, settings=settings, metrics_port=process.process_metrics_port,
+                                 **overrides)
+    database = settings.public_dict()["database_url"]
+    emit({"event": "worker_started", "model": model, "mode": "poll", "database_url": database,
+          "pid": os.getpid()}, None if as_json else f"worker for {model}: polling {database} (no broker)",
+         err=not as_json)
+    start_duties(worker_duties(settings), stop=duties_stop)
+    try:
+        process.poll_forever(runner, stop=stop)
+    finally:
+        duties_stop.set()
 
 
 @click.command("workers")
 @click.option("--all", "include_dead", is_flag=True, help="Include workers that stopped or went silent.")
-@click.option("--json", "as_json", is_flag=True)
+@json_option("One JSON object per worker.")
 def workers_(include_dead: bool, as_json: bool) -> None:
     """List live workers and the shards they hold."""
     from batchinfer.cli.backend import LocalBackend
@@ -98,21 +124,48 @@ def workers_(include_dead: bool, as_json: bool) -> None:
 
 @click.command()
 @click.option("--log-level", default="info", show_default=True)
-def beat(log_level: str) -> None:
-    """Run Celery beat: the periodic rescuer and the schedule tick (needs a broker)."""
+@json_option("Print the start line as one JSON object on stdout.")
+def beat(log_level: str, as_json: bool) -> None:
+    """Run the periodic duties of a broker deployment: rescue, expiry, schedule ticks and webhooks.
+
+    They run in this process at their intervals (settings *_interval_seconds / *_seconds), and the
+    control queue is consumed too (tasks a separate `celery beat` sends). Run one or more: every duty is
+    single-flight in the database. Without a broker use `batchinfer scheduler`.
+    """
+    from batchinfer.cli.backend import LocalBackend
+
+    _setup_logging(log_level)
     settings = get_settings()
     if not settings.broker_url:
-        click.echo("error: beat needs a broker (BATCHINFER_BROKER_URL); without one `batchinfer worker` "
-                   "rescues on its own", err=True)
-        sys.exit(1)
+        fail("beat needs a broker (BATCHINFER_BROKER_URL); without one run `batchinfer scheduler` "
+             "(schedules, expiry) beside `batchinfer worker` (rescue, expiry)")
+    from workers.app import CONTROL_QUEUE
     from workers.celery_app import worker_app
+    from workers.duties import control_duties, start_duties
 
-    worker_app().start(["beat", f"--loglevel={log_level.upper()}"])
+    LocalBackend(settings)  # migrates an embedded SQLite database on first use
+    app = worker_app()
+    stop = threading.Event()
+    start_duties(control_duties(settings, app=app), stop=stop)
+    emit({"event": "beat_started", "rescue_interval_seconds": settings.effective_rescue_interval_s,
+          "expiry_sweep_seconds": settings.expiry_sweep_seconds,
+          "schedule_tick_seconds": settings.schedule_tick_seconds, "pid": os.getpid()},
+         None if as_json else f"beat: rescue every {settings.effective_rescue_interval_s:g}s, expiry every "
+         f"{settings.expiry_sweep_seconds:g}s, schedule tick every {settings.schedule_tick_seconds:g}s",
+         err=not as_json)
+    try:
+        app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", CONTROL_QUEUE,
+                         "-n", f"batchinfer-control-{os.getpid()}@%h", f"--loglevel={log_level.upper()}",
+                         "--without-gossip", "--without-mingle"])
+    finally:
+        stop.set()
 
 
 @click.command()
-def rescue() -> None:
-    """Return shards whose lease expired to the queue now (or fail them after max attempts)."""
+@json_option("Print {requeued, failed, cancelled} as one JSON object.")
+def rescue(as_json: bool) -> None:
+    """Return shards whose lease expired to the queue now (or fail them after max attempts), and fail jobs
+    whose submit died mid-ingest."""
     from batchinfer.cli.backend import LocalBackend
     from workers.process import rescue_once
 
@@ -125,9 +178,14 @@ def rescue() -> None:
         report = rescue_and_redispatch(app=get_app(), settings=settings)
     else:
         report = rescue_once(settings)
-    click.echo(f"requeued {report.requeued}, failed {report.failed}, cancelled {report.cancelled}")
+    emit({"requeued": report.requeued, "failed": report.failed, "cancelled": report.cancelled,
+          "lost_ingests": report.lost_ingests},
+         f"requeued {report.requeued}, failed {report.failed}, cancelled {report.cancelled}, "
+         f"lost ingests failed (jobs) {report.lost_ingests}")
 
 
 def _say_rescued(report: RescueReport) -> None:
     if report.requeued or report.failed:
         click.echo(f"rescued expired shards: requeued {report.requeued}, failed {report.failed}", err=True)
+    if report.lost_ingests:
+        click.echo(f"failed jobs whose submit died mid-ingest: {report.lost_ingests}", err=True)

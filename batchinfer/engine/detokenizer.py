@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchinfer.engine.sampling_params import SamplingParams
+from batchinfer.engine.stop_matcher import stop_matcher
 
 INITIAL_CONTEXT_TOKENS = 5  # prompt tokens decoded as left context of the first output token
 
@@ -66,9 +67,11 @@ class IncrementalDetokenizer:
         self.read_offset = num_prompt_tokens
         assert isinstance(params.stop, list)
         self.stop = params.stop
+        self._stops = stop_matcher(tuple(self.stop)) if self.stop else None
+        self._stop_state = 0  # the automaton's state after the whole output text (stop_matcher.py)
         # While running, hold back as many characters as could start a stop string, so a streamed text
         # never shows a stop string that is later cut off.
-        longest = max((len(s) for s in self.stop), default=0)
+        longest = self._stops.longest if self._stops is not None else 0
         self._hold_back = 0 if params.include_stop_str_in_output else max(longest - 1, 0)
 
     def update(self, token_ids: list[int], *, stop_terminated: bool, check_stop: bool) -> str | None:
@@ -100,9 +103,9 @@ class IncrementalDetokenizer:
         if not new_text:
             return None
         self.output_text += new_text
-        if not (self.stop and check_stop):
+        if self._stops is None:
             return None
-        return self._apply_stop_strings(len(new_text))
+        return self._apply_stop_strings(new_text, check_stop)
 
     def text(self, *, finished: bool) -> str:
         """Text to show: all of it once finished, else without a possible partial stop string at the end."""
@@ -125,22 +128,20 @@ class IncrementalDetokenizer:
         if self._backend is not None:  # called per sequence per step: straight to Rust
             return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(
-            token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+            token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False,
+            spaces_between_special_tokens=self.params.spaces_between_special_tokens,
         )
 
-    def _apply_stop_strings(self, num_new_chars: int) -> str | None:
-        """Find the earliest stop string touching the new text; cut the output there."""
-        text = self.output_text
-        best: tuple[int, str] | None = None
-        for stop in self.stop:
-            # A match must end inside the new text; earlier text was checked on earlier tokens.
-            start = max(len(text) - num_new_chars - len(stop) + 1, 0)
-            index = text.find(stop, start)
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        if best is None:
+    def _apply_stop_strings(self, new_text: str, check_stop: bool) -> str | None:
+        """Feed the new text to the stop automaton (always, so matches may start in text before
+        min_tokens); when checking, cut the output at the earliest stop string ending in the new text."""
+        assert self._stops is not None
+        self._stop_state, found = self._stops.scan(self._stop_state, new_text)
+        if found is None or not check_stop:
             return None
-        index, stop = best
+        text = self.output_text
+        offset, stop = found
+        index = len(text) - len(new_text) + offset
         cut = index + len(stop) if self.params.include_stop_str_in_output else index
         self.output_text = text[:cut]
         return stop

@@ -5,25 +5,37 @@ their last token -> append tokens, advance num_computed_tokens, detokenize and c
 free the finished. Validation happens in add_request before any state changes, so a bad request raises a
 ValueError naming the field and leaves the engine and every other request untouched. Outputs are built
 in outputs.py, figures kept in metrics.py; the offline LLM API over this loop is llm.py.
+
+Structured output (structured.py): a constrained request's grammar compiles in the background; until it
+is compiled the request waits here, outside the scheduler, so nothing else waits for it. Each step fills
+the grammar bitmask of the constrained rows, the sampler masks those rows only, and each accepted token
+advances the row's matcher.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Set as AbstractSet
+from concurrent.futures import FIRST_COMPLETED, wait
 
 from batchinfer.engine.block_manager import BlockManager, cdiv
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.detokenizer import IncrementalDetokenizer
+from batchinfer.engine.logits_controls import bad_words_token_ids
 from batchinfer.engine.metrics import EngineStats, MetricsRecorder
 from batchinfer.engine.outputs import RequestOutput, make_logprob_entry, make_request_output
 from batchinfer.engine.resolved_model import resolve_model
 from batchinfer.engine.runner_protocol import ModelRunnerProtocol
-from batchinfer.engine.sampler import SampleLogprobs, Sampler
+from batchinfer.engine.sampler import GrammarMask, SampleLogprobs, Sampler
 from batchinfer.engine.sampling_params import SamplingParams
 from batchinfer.engine.scheduler import Scheduler
-from batchinfer.engine.sequence import Sequence, SequenceGroup
+from batchinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchinfer.engine.stop import check_stop
+from batchinfer.engine.structured import GrammarBackend, GrammarState
+
+logger = logging.getLogger(__name__)
+GRAMMAR_WAIT_S = 0.05  # with nothing else to run, how long one step waits for a grammar to compile
 
 
 class Engine:
@@ -61,10 +73,14 @@ class Engine:
         # This step's latencies, handed to the recorder by _record_step (appended per token: kept lean).
         self._ttfts: list[float] = []
         self._itls: list[float] = []
+        self.grammar_backend: GrammarBackend | None = None  # made by the first constrained request
+        self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests still compiling, in order
 
     def close(self) -> None:
-        """Release what outlives a step: tensor-parallel worker processes (a no-op for one rank)."""
+        """Release what outlives a step: tensor-parallel worker processes, the grammar compile thread."""
         self.model_runner.close()
+        if self.grammar_backend is not None:
+            self.grammar_backend.close()
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -92,12 +108,20 @@ class Engine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt: must be a string; got {cache_salt!r}")
         prompt_token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
+        if params.truncate_prompt_tokens is not None:  # vLLM: keep the prompt's last k tokens
+            prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens:]
         max_tokens = self._check_lengths(len(prompt_token_ids), params)
-        bad_stop_ids = [i for i in params.stop_token_ids if i >= self.vocab_size]
-        if bad_stop_ids:
-            raise ValueError(
-                f"stop_token_ids: {bad_stop_ids} outside the vocabulary (size {self.vocab_size})"
-            )
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids",
+                          params.allowed_token_ids or ()), ("logit_bias", params.logit_bias or ())):
+            outside = [i for i in ids if i >= self.vocab_size]
+            if outside:
+                raise ValueError(f"{name}: {outside[:5]} outside the vocabulary (size {self.vocab_size})")
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        compiled = None
+        if params.structured_outputs is not None:
+            compiled = self._grammars().compile(params.structured_outputs)
+            if compiled.done() and compiled.exception() is not None:
+                raise ValueError(f"structured_outputs: {compiled.exception()}")
 
         arrival = time.time() if arrival_time is None else arrival_time
         seqs = [
@@ -118,9 +142,58 @@ class Engine:
                 self.tokenizer, seq.num_prompt_tokens, params,
                 token_texts=self._token_texts[params.skip_special_tokens],
             )
-            self.scheduler.add(seq)  # siblings queue side by side, so they share the prompt's blocks
+            seq.bad_words_token_ids = bad_words
+            if compiled is not None:
+                seq.grammar = GrammarState(compiled)
         text = prompt if isinstance(prompt, str) else None
-        self._requests[request_id] = SequenceGroup(request_id, text, prompt_token_ids, seqs, arrival)
+        group = self._requests[request_id] = SequenceGroup(request_id, text, prompt_token_ids, seqs, arrival)
+        if compiled is None or compiled.done():
+            self._queue(group)
+        else:
+            self._awaiting_grammar.append(group)
+
+    def _queue(self, group: SequenceGroup) -> None:
+        """Hand a request's sequences to the scheduler (a constrained one's grammar is compiled by now)."""
+        for seq in group.seqs:
+            if seq.grammar is not None:
+                self._grammars().start(seq.grammar)
+            self.scheduler.add(seq)  # siblings queue side by side, so they share the prompt's blocks
+
+    def _grammars(self) -> GrammarBackend:
+        """The grammar backend, made on first use (it imports xgrammar and reads the whole vocabulary)."""
+        if self.grammar_backend is None:
+            self.grammar_backend = GrammarBackend(
+                self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
+                max_num_seqs=self.config.max_num_seqs, device=self.model_runner.device,
+            )
+        return self.grammar_backend
+
+    def _queue_compiled(self) -> list[RequestOutput]:
+        """Queue the waiting requests whose grammar is compiled; returns those whose compile failed."""
+        waiting, failed = [], []
+        for group in self._awaiting_grammar:
+            compiled = group.seqs[0].grammar.compiled
+            if not compiled.done():
+                waiting.append(group)
+            elif compiled.exception() is None:
+                self._queue(group)
+            else:  # the constraint was checked when its params were built: this is not expected
+                logger.error("request %s: its grammar failed to compile: %s", group.request_id,
+                             compiled.exception())
+                failed.append(self._finish_unqueued(group))
+        self._awaiting_grammar = waiting
+        return failed
+
+    def _finish_unqueued(self, group: SequenceGroup) -> RequestOutput:
+        """Abort a request that never reached the scheduler; returns its final output."""
+        now = time.time()
+        for seq in group.seqs:
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            seq.finished_time = now
+        self._requests.pop(group.request_id, None)
+        output = make_request_output(group)
+        self.recorder.record_finished(output)
+        return output
 
     def tokenize(self, prompt: str | list[int], *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt given as text or ids (ids are checked against the vocabulary)."""
@@ -145,9 +218,13 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; returns its final output (None if unknown)."""
-        request = self._requests.pop(request_id, None)
+        request = self._requests.get(request_id)
         if request is None:
             return None
+        if any(group is request for group in self._awaiting_grammar):
+            self._awaiting_grammar = [group for group in self._awaiting_grammar if group is not request]
+            return self._finish_unqueued(request)
+        del self._requests[request_id]
         now = time.time()
         for seq in request.seqs:
             if not seq.is_finished:
@@ -170,10 +247,15 @@ class Engine:
     def step(self, *, include_unfinished: bool = False) -> list[RequestOutput]:
         """Run one iteration; returns the requests that finished (and, if asked, those that progressed)."""
         recorder = self.recorder
+        outputs = self._queue_compiled() if self._awaiting_grammar else []
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled:
             recorder.count_tokens(0, 0)
-            return []  # everything runnable was preempted this step; it is readmitted on the next
+            if self._awaiting_grammar and not self.scheduler.has_unfinished():
+                # Nothing to run but compiles: wait for one rather than spin.
+                wait([g.seqs[0].grammar.compiled for g in self._awaiting_grammar], GRAMMAR_WAIT_S,
+                     return_when=FIRST_COMPLETED)
+            return outputs  # or everything runnable was preempted this step; it is readmitted on the next
         recorder.num_steps += 1
         scheduled_time = time.time()
         logits = self.model_runner.execute_model(scheduled)
@@ -194,9 +276,10 @@ class Engine:
         progressed: dict[str, SequenceGroup] = {}  # requests to report: with a finished sequence, or all
         if rows:
             seqs = [scheduled[row][0] for row in rows]
+            grammar = self._grammar_mask(seqs) if self.grammar_backend is not None else None
             # A decode step samples every row: skip the [rows, vocab] gather copy (tens of MB at vocab 49k).
             sampled = self.sampler(logits if len(rows) == len(scheduled) else logits[rows], seqs,
-                                   self.eos_token_ids)
+                                   self.eos_token_ids, grammar)
             now = time.time()  # the tokens exist from here: first-token, inter-token and finish times
             for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
                 self._append_token(seq, token_id, logprobs, now)
@@ -205,7 +288,6 @@ class Engine:
         recorder.count_tokens(prompt_tokens, len(rows))
         self.scheduler.free_finished()
 
-        outputs = []
         for request in progressed.values():
             finished = request.is_finished
             if finished:
@@ -216,6 +298,15 @@ class Engine:
                 recorder.record_finished(outputs[-1])
         self._record_step()
         return outputs
+
+    def _grammar_mask(self, seqs: list[Sequence]) -> GrammarMask | None:
+        """The bitmask of this step's constrained rows (None when every row is free)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if not rows:
+            return None
+        assert self.grammar_backend is not None
+        bitmask = self.grammar_backend.fill_bitmask(seqs, rows)
+        return GrammarMask(bitmask[: len(seqs)], rows)
 
     def _record_step(self) -> None:
         """Fold this step into the metrics (bench/engine_overhead.py swaps this out to time it)."""
@@ -236,7 +327,19 @@ class Engine:
         if logprobs is not None:
             seq.logprobs.append(make_logprob_entry(self.tokenizer, token_id, logprobs))
             seq.cumulative_logprob += logprobs.logprob
-        if check_stop(seq, token_id, self.eos_token_ids, self.max_model_len):
+        finished = check_stop(seq, token_id, self.eos_token_ids, self.max_model_len)
+        grammar = seq.grammar
+        if grammar is not None and not finished:
+            assert self.grammar_backend is not None
+            if not self.grammar_backend.accept(grammar, token_id):
+                # The mask allows only what the matcher accepts, so this is a bug, not bad input.
+                logger.error("request %s: its grammar rejected sampled token %d", seq.request_id, token_id)
+                seq.status = SequenceStatus.FINISHED_ABORTED
+                finished = True
+            elif grammar.matcher.is_terminated():  # a stop token of the grammar that is not an EOS id
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                finished = True
+        if finished:
             seq.finished_time = now
 
     # --- figures -------------------------------------------------------------------------------------

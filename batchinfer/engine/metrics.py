@@ -1,17 +1,24 @@
 """The engine's figures: EngineStats for get_stats(), and Prometheus metrics with vLLM's names under the
 prefix `batchinfer:`, folded in once per step by MetricsRecorder.
 
-Labelled children are bound once per model in `EngineMetrics.__init__`, so a step costs a handful of
-`inc`/`set`/`observe` calls and no label lookups. `StatLogger` prints vLLM's periodic throughput line.
+Every series carries vLLM's two labels: `model_name` (a model's NAME: an alias or hub id as given, a
+local directory or .gguf file by its last path part, never the path) and `engine` (the engine's index
+among this process's engines of that model, "0" for a worker's one engine). Labelled children are bound
+once per engine in `EngineMetrics.__init__`, so a step costs a handful of `inc`/`set`/`observe` calls and
+no label lookups; `StatLogger` prints vLLM's periodic throughput line. Under tensor
+parallelism only the engine (rank 0) records: the other ranks run the model and have no scheduler, so one
+exporter per engine sees everything.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -27,7 +34,10 @@ PREFIX = "batchinfer:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Tokens of one request's prompt or completion: vLLM's 1-2-5 series, up to the longest contexts.
+REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 FINISHED_REASONS = ("stop", "length", "abort")
+LABELS = ("model_name", "engine")
 
 
 @dataclass
@@ -77,26 +87,39 @@ class FinishedRequestStats:
     finished_time: float
     num_prompt_tokens: int
     num_generation_tokens: int
+    first_token_time: float | None = None
+
+
+def model_label(model: str) -> str:
+    """The `model_name` label of a model: an alias or hub id as given, a local path by its last part.
+
+    Labels must not leak file paths (a home directory, a mount layout) into dashboards, and the same model
+    must read the same on every host whatever directory it was loaded from.
+    """
+    path = Path(model).expanduser()
+    if path.is_absolute() or model.startswith(("./", "../", "~")) or path.exists():
+        return path.name.removesuffix(".gguf") or model
+    return model
 
 
 class _Families:
     """The metric families of one registry (created once: prometheus_client forbids duplicates)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        labels = ["model_name"]
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"{PREFIX}{name}", doc, labels, registry=registry)
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(f"{PREFIX}{name}", doc, [*LABELS, *extra], registry=registry)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"{PREFIX}{name}", doc, [*labels, *extra], registry=registry)
+            return Counter(f"{PREFIX}{name}", doc, [*LABELS, *extra], registry=registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
-            return Histogram(f"{PREFIX}{name}", doc, labels, buckets=buckets, registry=registry)
+            return Histogram(f"{PREFIX}{name}", doc, LABELS, buckets=buckets, registry=registry)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage, 1 = full.")
+        self.cache_config = gauge("cache_config_info", "The KV cache's configuration (value 1).",
+                                  ("block_size", "num_gpu_blocks", "enable_prefix_caching"))
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (recomputed later).")
@@ -108,42 +131,73 @@ class _Families:
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.")
+        self.decode = histogram("request_decode_time_seconds", "First token to finish.")
+        self.request_prompt_tokens = histogram("request_prompt_tokens",
+                                               "Prompt tokens of a finished request.", REQUEST_TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens of a finished request.",
+                                                   REQUEST_TOKEN_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           TOKEN_BUCKETS)
 
 
 _FAMILIES: dict[int, _Families] = {}
+_ENGINE_COUNTS: dict[tuple[int, str], itertools.count] = {}
+_lock = threading.Lock()
 
 
 def _families(registry: CollectorRegistry) -> _Families:
-    key = id(registry)
-    if key not in _FAMILIES:
-        _FAMILIES[key] = _Families(registry)
-    return _FAMILIES[key]
+    with _lock:
+        key = id(registry)
+        if key not in _FAMILIES:
+            _FAMILIES[key] = _Families(registry)
+        return _FAMILIES[key]
+
+
+def next_engine_label(model_name: str, registry: CollectorRegistry = REGISTRY) -> str:
+    """The `engine` label of a new engine of `model_name` in this process: "0", then "1", ..."""
+    with _lock:
+        counter = _ENGINE_COUNTS.setdefault((id(registry), model_name), itertools.count())
+        return str(next(counter))
 
 
 class EngineMetrics:
-    """The engine's metrics for one model, bound to their label values once."""
+    """The engine's metrics for one engine of one model, bound to their label values once."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY, *,
+                 engine: str | None = None) -> None:
         fam = _families(registry)
-        self.model_name = model_name
-        self._running = fam.running.labels(model_name)
-        self._waiting = fam.waiting.labels(model_name)
-        self._kv_usage = fam.kv_usage.labels(model_name)
-        self._prefix_queries = fam.prefix_queries.labels(model_name)
-        self._prefix_hits = fam.prefix_hits.labels(model_name)
-        self._preemptions = fam.preemptions.labels(model_name)
-        self._prompt_tokens = fam.prompt_tokens.labels(model_name)
-        self._generation_tokens = fam.generation_tokens.labels(model_name)
+        self.model_name = model_label(model_name)
+        self.engine = engine if engine is not None else next_engine_label(self.model_name, registry)
+        self.labels = {"model_name": self.model_name, "engine": self.engine}
+        values = (self.model_name, self.engine)
+        self._families = fam
+        self._running = fam.running.labels(*values)
+        self._waiting = fam.waiting.labels(*values)
+        self._kv_usage = fam.kv_usage.labels(*values)
+        self._prefix_queries = fam.prefix_queries.labels(*values)
+        self._prefix_hits = fam.prefix_hits.labels(*values)
+        self._preemptions = fam.preemptions.labels(*values)
+        self._prompt_tokens = fam.prompt_tokens.labels(*values)
+        self._generation_tokens = fam.generation_tokens.labels(*values)
         self._success = {
-            reason: fam.request_success.labels(model_name, reason) for reason in FINISHED_REASONS
+            reason: fam.request_success.labels(*values, reason) for reason in FINISHED_REASONS
         }
-        self._ttft = fam.ttft.labels(model_name)
-        self._itl = fam.itl.labels(model_name)
-        self._e2e = fam.e2e.labels(model_name)
-        self._queue = fam.queue.labels(model_name)
-        self._iteration_tokens = fam.iteration_tokens.labels(model_name)
+        self._ttft = fam.ttft.labels(*values)
+        self._itl = fam.itl.labels(*values)
+        self._e2e = fam.e2e.labels(*values)
+        self._queue = fam.queue.labels(*values)
+        self._prefill = fam.prefill.labels(*values)
+        self._decode = fam.decode.labels(*values)
+        self._request_prompt_tokens = fam.request_prompt_tokens.labels(*values)
+        self._request_generation_tokens = fam.request_generation_tokens.labels(*values)
+        self._iteration_tokens = fam.iteration_tokens.labels(*values)
+
+    def record_cache_config(self, *, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+        """Publish the KV cache's configuration as vLLM's cache_config_info (one series, value 1)."""
+        self._families.cache_config.labels(self.model_name, self.engine, str(block_size), str(num_blocks),
+                                           str(enable_prefix_caching)).set(1)
 
     def record_step(self, stats: StepStats) -> None:
         """Fold one step's figures into the metrics."""
@@ -166,13 +220,20 @@ class EngineMetrics:
             observe_many(self._itl, stats.inter_token_latencies)
 
     def record_finished(self, request: FinishedRequestStats) -> None:
-        """Count one finished request and observe its latencies."""
+        """Count one finished request and observe its latencies and sizes."""
         counter = self._success.get(request.finished_reason)
         if counter is not None:
             counter.inc()
         self._e2e.observe(max(0.0, request.finished_time - request.arrival_time))
-        if request.first_scheduled_time is not None:
-            self._queue.observe(max(0.0, request.first_scheduled_time - request.arrival_time))
+        self._request_prompt_tokens.observe(request.num_prompt_tokens)
+        self._request_generation_tokens.observe(request.num_generation_tokens)
+        scheduled, first_token = request.first_scheduled_time, request.first_token_time
+        if scheduled is not None:
+            self._queue.observe(max(0.0, scheduled - request.arrival_time))
+            if first_token is not None:
+                self._prefill.observe(max(0.0, first_token - scheduled))
+        if first_token is not None:
+            self._decode.observe(max(0.0, request.finished_time - first_token))
 
 
 def observe_many(histogram: Histogram, values: list[float]) -> None:
@@ -244,10 +305,14 @@ class MetricsRecorder:
     block manager and the scheduler, and only their growth since the last step is folded in.
     """
 
-    def __init__(self, model_name: str, scheduler: Scheduler, block_manager: BlockManager) -> None:
+    def __init__(self, model_name: str, scheduler: Scheduler, block_manager: BlockManager, *,
+                 engine: str | None = None) -> None:
         self.scheduler = scheduler
         self.block_manager = block_manager
-        self.metrics = EngineMetrics(model_name)
+        self.metrics = EngineMetrics(model_name, engine=engine)
+        self.metrics.record_cache_config(block_size=block_manager.block_size,
+                                         num_blocks=block_manager.num_total_blocks,
+                                         enable_prefix_caching=block_manager.enable_prefix_caching)
         self.stat_logger = StatLogger()
         self.prompt_tokens = self.generation_tokens = self.num_steps = 0
         self.step_prompt_tokens = self.step_generation_tokens = 0
@@ -289,6 +354,7 @@ class MetricsRecorder:
             finished_time=output.metrics.finished_time or time.time(),
             num_prompt_tokens=len(output.prompt_token_ids),
             num_generation_tokens=sum(len(c.token_ids) for c in output.outputs),
+            first_token_time=output.metrics.first_token_time,
         ))
 
     def engine_stats(self) -> EngineStats:

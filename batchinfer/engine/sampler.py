@@ -1,6 +1,8 @@
 """Batched per-request sampling: one pass over the [batch, vocab] logits for the whole step.
 
-Order (vLLM V1): raw log-softmax for logprobs -> min_tokens mask -> penalties -> greedy argmax for
+Order (vLLM V1): grammar bitmask on the constrained rows (structured output; so logprobs are those of
+the allowed tokens) -> raw log-softmax for logprobs -> allowed_token_ids / bad_words / logit_bias
+(logits_controls.py, only on the rows asking) -> min_tokens mask -> penalties -> greedy argmax for
 temperature-0 rows -> temperature -> min_p -> top_k / top_p -> exponential race. Per-request values
 travel as [batch] tensors; Python only loops over rows to collect parameters and, for seeded rows,
 to draw that row's noise from its own generator.
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchinfer.engine.logits_controls import apply_logits_controls
 from batchinfer.engine.sequence import Sequence
 
 
@@ -29,6 +32,17 @@ class SampleLogprobs:
     rank: int  # 1 = the most likely token
     top_token_ids: list[int]
     top_logprobs: list[float]
+
+
+@dataclass
+class GrammarMask:
+    """The step's grammar bitmask (xgrammar's packed int32 rows, 1 bit = allowed) and the rows it covers.
+
+    Row `rows[i]` of the bitmask belongs to row `rows[i]` of the logits; other rows are not read.
+    """
+
+    bitmask: torch.Tensor  # [>= batch, ceil(vocab / 32)] int32, on CPU
+    rows: list[int]
 
 
 @dataclass
@@ -47,16 +61,28 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: AbstractSet[int]
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        eos_token_ids: AbstractSet[int],
+        grammar: GrammarMask | None = None,
     ) -> SamplerOutput:
-        """Sample the next token of every sequence; row i of `logits` belongs to seqs[i]."""
+        """Sample the next token of every sequence; row i of `logits` belongs to seqs[i].
+
+        The caller's logits stay untouched, except that `grammar`'s rows are masked in place: the engine's
+        logits are scratch, and copying [256, 49152] floats would cost more than the mask itself.
+        """
         params = [seq.params for seq in seqs]
+        given = logits
         logits = logits.float()
         device = logits.device
+        if grammar is not None and grammar.rows:
+            apply_grammar_bitmask(logits, grammar.bitmask, grammar.rows)
         # One pass over the rows for the per-request switches (this runs for every sequence every step).
         want_logprobs: list[int] = []
         penalized: list[int] = []
         random_rows: list[int] = []
+        controlled: list[int] = []
         for i, p in enumerate(params):
             if p.logprobs is not None:
                 want_logprobs.append(i)
@@ -64,11 +90,15 @@ class Sampler:
                 penalized.append(i)
             if not p.is_greedy:
                 random_rows.append(i)
+            if p.has_logits_controls:
+                controlled.append(i)
         raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
 
         banned_rows, banned_cols = _min_tokens_bans(seqs, eos_token_ids)
-        if banned_rows or penalized:
+        if (banned_rows or penalized or controlled) and logits is given:
             logits = logits.clone()  # the caller's logits stay untouched
+        if controlled:
+            apply_logits_controls(logits, seqs, controlled)
         if banned_rows:
             logits[banned_rows, banned_cols] = float("-inf")
         if penalized:
@@ -138,6 +168,21 @@ def argmax_rows(values: torch.Tensor) -> torch.Tensor:
     if values.device.type == "cpu" and values.dtype == torch.float32 and values.dim() == 2:
         return torch.from_numpy(values.detach().numpy().argmax(axis=-1).astype("int64", copy=False))
     return values.argmax(dim=-1)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set the disallowed tokens of `rows` to -inf, in place (xgrammar's kernel: CPU, or Triton on CUDA).
+
+    The bitmask covers ceil(vocab / 32) * 32 ids; logits wider than that (a vocabulary padded past the
+    mask) get their extra columns masked too, so a constrained row can never sample an id outside it.
+    """
+    from xgrammar import apply_token_bitmask_inplace
+
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    covered = bitmask.shape[1] * 32
+    apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(covered, logits.shape[1]), indices=rows)
+    if logits.shape[1] > covered:
+        logits[rows, covered:] = float("-inf")
 
 
 def apply_penalties(

@@ -2,15 +2,23 @@
 
 Pure Python (no torch, imports nothing heavy): the ingest path builds one per request and stores it
 with `to_dict`; the worker rebuilds it with `from_dict`. Construction is the only validation.
+
+An output constraint (structured output: JSON Schema, JSON object, regex, choice, grammar) is a
+StructuredOutputsParams in `structured_outputs`; constructing one parses the constraint into a grammar
+(grammars.py, which imports xgrammar only then), so a bad schema fails where the request is built.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json as _json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
+
+from batchinfer.engine.grammars import CONSTRAINT_KINDS, GrammarError, canonical_text, check_constraint
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs ceiling
 GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
@@ -49,6 +57,15 @@ class SamplingParams:
     min_tokens: int = 0  # EOS, stop token ids and stop strings are ignored before this many tokens
     logprobs: int | None = None  # None = none; N = the sampled token's logprob plus the top N
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # as vLLM: only slow (Python) tokenizers decode differently
+    # Logits controls (vLLM; sampler.py skips them when no row of the step asks):
+    bad_words: list[str] | None = None  # words never generated (vLLM: with and without a leading space)
+    allowed_token_ids: list[int] | None = None  # only these token ids may be sampled
+    logit_bias: dict[int, float] | None = None  # OpenAI: token id -> bias in [-100, 100] added to the logit
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    # The output must match this constraint; ends with "stop" at the grammar's end (a dict of its fields
+    # is accepted too). Not with ignore_eos or min_tokens: the grammar alone decides where output ends.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _int_field("n", self.n, minimum=1)
@@ -69,7 +86,8 @@ class SamplingParams:
             _int_field("seed", self.seed, minimum=None)
         _check_stop(self.stop)
         _check_stop_token_ids(self.stop_token_ids)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"must be true or false; got {getattr(self, name)!r}")
         if self.max_tokens is not None:
@@ -82,6 +100,9 @@ class SamplingParams:
             _int_field("logprobs", self.logprobs, minimum=0)
             if self.logprobs > MAX_LOGPROBS:
                 raise SamplingParamsError("logprobs", f"must be <= {MAX_LOGPROBS}; got {self.logprobs}")
+        _check_logits_controls(self)
+        if self.structured_outputs is not None:
+            self.__dict__["structured_outputs"] = _check_structured_outputs(self)
         _normalize(self.__dict__)
 
     @classmethod
@@ -104,12 +125,22 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """The fields that differ from the defaults, by vLLM name: the JSON the requests table stores."""
         values = self.__dict__
-        return {name: values[name] for name, default in _DEFAULTS.items() if values[name] != default}
+        out = {name: values[name] for name, default in _DEFAULTS.items() if values[name] != default}
+        if "structured_outputs" in out:
+            out["structured_outputs"] = out["structured_outputs"].to_dict()
+        if "logit_bias" in out:  # JSON object keys are strings; _normalize reads them back as ints
+            out["logit_bias"] = {str(token_id): bias for token_id, bias in out["logit_bias"].items()}
+        return out
 
     @property
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature ~ 0)."""
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_logits_controls(self) -> bool:
+        """True when bad_words, allowed_token_ids or logit_bias change the logits."""
+        return bool(self.bad_words or self.allowed_token_ids is not None or self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:
@@ -127,13 +158,169 @@ class SamplingParams:
         return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One output constraint (vLLM's StructuredOutputsParams): exactly one of json, regex, choice, grammar
+    and json_object. Construction checks it, parsing it into a grammar; a bad one raises SamplingParamsError
+    naming the field (`json`, `regex`, ...) and, for a schema, the JSON pointer of the problem.
+    """
+
+    json: dict[str, Any] | None = None  # a JSON Schema object (a JSON text of one is parsed)
+    regex: str | None = None  # xgrammar's dialect: no lookaround, no backreferences, no named groups
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF (GBNF) text with a `root` rule
+    json_object: bool = False  # any JSON object (OpenAI's response_format {"type": "json_object"})
+    disable_any_whitespace: bool = False  # JSON kinds: no free whitespace between tokens (vLLM's flag)
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in CONSTRAINT_KINDS if _is_set(self.__dict__[kind])]
+        if len(given) != 1:
+            names = ", ".join(CONSTRAINT_KINDS)
+            raise SamplingParamsError(given[1] if given else "json",
+                                      f"give exactly one of {names}; got {', '.join(given) or 'none'}")
+        kind = given[0]
+        self.__dict__[kind] = value = _constraint_value(kind, self.__dict__[kind])
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise SamplingParamsError("disable_any_whitespace",
+                                      f"must be true or false; got {self.disable_any_whitespace!r}")
+        try:
+            check_constraint(kind, value, any_whitespace=not self.disable_any_whitespace)
+        except GrammarError as exc:
+            raise SamplingParamsError(kind, str(exc)) from None
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(kind for kind in CONSTRAINT_KINDS if _is_set(self.__dict__[kind]))
+
+    @property
+    def value(self) -> Any:
+        """The constraint: the schema, the regex, the choices, the grammar text (True for json_object)."""
+        return self.__dict__[self.kind]
+
+    @cached_property
+    def cache_key(self) -> str:
+        """A hash naming the compiled grammar: equal constraints share one compilation."""
+        kind = self.kind
+        text = f"{kind}\0{self.disable_any_whitespace}\0{canonical_text(kind, self.value)}"
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields that are set: what the requests table stores inside the sampling params."""
+        return {name: value for name, value in _fields_of(self).items() if _is_set(value)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StructuredOutputsParams:
+        """What `to_dict` stored, rebuilt without checking again (it was checked when first built)."""
+        params = object.__new__(cls)
+        params.__dict__.update(_STRUCTURED_DEFAULTS)
+        params.__dict__.update(data)
+        return params
+
+
+def _fields_of(params: StructuredOutputsParams) -> dict[str, Any]:
+    return {name: params.__dict__[name] for name in _STRUCTURED_DEFAULTS}
+
+
+def _is_set(value: Any) -> bool:
+    """A constraint field counts as given unless None or False (identity: 0 or {} are given, and wrong)."""
+    return value is not None and value is not False
+
+
+def _constraint_value(kind: str, value: Any) -> Any:
+    """The constraint's canonical value after the shape checks: a schema text is parsed to its object."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = _json.loads(value)
+            except ValueError as exc:
+                raise SamplingParamsError("json", f"is not valid JSON text ({exc})") from None
+        if not isinstance(value, dict):
+            raise SamplingParamsError("json", f"must be a JSON Schema object; got {type(value).__name__}")
+    elif kind in ("regex", "grammar"):
+        if not isinstance(value, str) or not value:
+            raise SamplingParamsError(kind, f"must be a non-empty string; got {value!r:.80}")
+    elif kind == "choice":
+        if not isinstance(value, list | tuple) or not value or not all(isinstance(c, str) for c in value):
+            raise SamplingParamsError("choice", f"must be a non-empty list of strings; got {value!r:.80}")
+        value = list(value)
+    elif value is not True:
+        raise SamplingParamsError("json_object", f"must be true or false; got {value!r}")
+    return value
+
+
+def _check_structured_outputs(params: SamplingParams) -> StructuredOutputsParams:
+    """The request's constraint as a StructuredOutputsParams, checked together with the other fields."""
+    constraint = params.structured_outputs
+    if isinstance(constraint, Mapping):
+        unknown = sorted(constraint.keys() - _STRUCTURED_DEFAULTS.keys())
+        if unknown:
+            raise SamplingParamsError(f"structured_outputs.{unknown[0]}",
+                                      f"unknown field; use {', '.join(_STRUCTURED_DEFAULTS)}")
+        try:
+            constraint = StructuredOutputsParams(**constraint)
+        except SamplingParamsError as exc:
+            raise SamplingParamsError(f"structured_outputs.{exc.field}", exc.message) from None
+    elif not isinstance(constraint, StructuredOutputsParams):
+        raise SamplingParamsError("structured_outputs", "must be a StructuredOutputsParams or an object of "
+                                  f"its fields; got {type(constraint).__name__}")
+    if params.ignore_eos:
+        raise SamplingParamsError("ignore_eos", "cannot be combined with a structured output constraint: "
+                                  "the grammar's end finishes the output; remove ignore_eos")
+    if params.min_tokens:
+        raise SamplingParamsError("min_tokens", "cannot be combined with a structured output constraint: "
+                                  "the grammar decides where the output ends; remove min_tokens")
+    return constraint
+
+
 def _normalize(values: dict[str, Any]) -> None:
-    """Canonical forms of already valid values, in place: stop lists always lists, top_k -1 (vLLM) is 0."""
+    """Canonical forms of already valid values, in place: stop lists always lists, top_k -1 (vLLM) is 0,
+    a stored constraint (a dict) its StructuredOutputsParams."""
     stop = values["stop"]
     values["stop"] = [stop] if isinstance(stop, str) else list(stop or ())
     values["stop_token_ids"] = list(values["stop_token_ids"] or ())
     if values["top_k"] == -1:
         values["top_k"] = 0
+    if isinstance(values["structured_outputs"], Mapping):
+        values["structured_outputs"] = StructuredOutputsParams.from_dict(values["structured_outputs"])
+    if values["logit_bias"]:
+        values["logit_bias"] = {int(token_id): float(bias) for token_id, bias in values["logit_bias"].items()}
+    if values["bad_words"] is not None:
+        values["bad_words"] = list(values["bad_words"])
+    if values["allowed_token_ids"] is not None:
+        values["allowed_token_ids"] = list(values["allowed_token_ids"])
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+
+
+def _check_logits_controls(params: SamplingParams) -> None:
+    """bad_words, allowed_token_ids, logit_bias and truncate_prompt_tokens (vLLM / OpenAI rules)."""
+    words = params.bad_words
+    if words is not None and (not isinstance(words, list | tuple)
+                              or not all(isinstance(w, str) and w.strip() for w in words)):
+        raise SamplingParamsError("bad_words", f"must be a list of non-empty strings; got {words!r:.80}")
+    allowed = params.allowed_token_ids
+    if allowed is not None and (not isinstance(allowed, list | tuple) or not allowed or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in allowed)):
+        raise SamplingParamsError("allowed_token_ids",
+                                  f"must be a non-empty list of non-negative integers; got {allowed!r:.80}")
+    bias = params.logit_bias
+    if bias is not None:
+        if not isinstance(bias, Mapping):
+            raise SamplingParamsError("logit_bias",
+                                      f"must be an object of token id -> bias; got {bias!r:.80}")
+        for token_id, value in bias.items():
+            if not (isinstance(token_id, int) and not isinstance(token_id, bool) and token_id >= 0
+                    or isinstance(token_id, str) and token_id.isdecimal()):
+                raise SamplingParamsError("logit_bias",
+                                          f"keys must be token ids (\"50256\"); got {token_id!r}")
+            number = _float_field(f"logit_bias[{token_id!r}]", value)
+            if not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
+                raise SamplingParamsError(f"logit_bias[{token_id!r}]",
+                                          f"must be in [-100, 100]; got {value}")
+    if params.truncate_prompt_tokens is not None:
+        _int_field("truncate_prompt_tokens", params.truncate_prompt_tokens, minimum=1)
 
 
 def _int_field(name: str, value: object, *, minimum: int | None) -> int:
@@ -171,3 +358,6 @@ def _check_stop_token_ids(ids: object) -> None:
 
 _DEFAULTS: dict[str, Any] = {field.name: field.default for field in fields(SamplingParams)}
 _normalize(_DEFAULTS)
+_STRUCTURED_DEFAULTS: dict[str, Any] = {
+    field.name: field.default for field in fields(StructuredOutputsParams)
+}

@@ -102,6 +102,8 @@ class Sequence:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.generator: Any = None  # torch.Generator for seeded sampling, created by the sampler
         self.detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
+        self.grammar: Any = None  # structured.GrammarState of a constrained request, set by the engine
+        self.bad_words_token_ids: list[list[int]] = []  # params.bad_words tokenized, set by the engine
 
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None

@@ -99,6 +99,56 @@ def write_transaction(session: Session) -> Iterator[Session]:
         raise
 
 
+def single_flight(session: Session, key: int) -> bool:
+    """Inside a write transaction: may this one run the duty `key`? (One at a time across processes.)
+
+    PostgreSQL: it takes the transaction-scoped advisory lock `key` if free (a second caller gets False
+    at once and skips the pass); SQLite: always True, BEGIN IMMEDIATE already runs writers one by one.
+    """
+    if is_sqlite(session):
+        return True
+    return bool(session.scalar(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": key}))
+
+
+@contextlib.contextmanager
+def exclusive(url: str, key: int) -> Iterator[bool]:
+    """Hold a lock named `key` across processes for the block; yields False at once if another holds it.
+
+    For a duty spanning many transactions (a schedule tick). PostgreSQL: a session advisory lock, held
+    by a connection of its own (it goes with the connection if the process dies). SQLite lives on one
+    host: an flock on a file beside the database does the same.
+    """
+    parsed = make_url(normalize_url(url))
+    if parsed.get_backend_name() != "sqlite":
+        with get_engine(url).connect() as connection:
+            held = bool(connection.scalar(text("SELECT pg_try_advisory_lock(:key)"), {"key": key}))
+            connection.commit()
+            try:
+                yield held
+            finally:
+                if held:
+                    connection.scalar(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+                    connection.commit()
+        return
+    import fcntl
+
+    database = parsed.database or ""
+    path = Path(database + f".lock-{key:x}") if database and database != ":memory:" else None
+    if path is None:  # an in-memory database is one process's
+        yield True
+        return
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def end_transaction(session: Session) -> None:
     """Close the session's open transaction (a read, usually), so the next statement sees fresh data.
 

@@ -15,23 +15,25 @@ from batchinfer.store.errors import JobError
 from batchinfer.store.models import REQUEST_NOT_RUN_STATUSES, Job, Request, RequestStatus, request_id_for
 from batchinfer.store.transitions import NOT_RUN_ERRORS
 
-ExportKind = Literal["output", "errors"]
-_EXPORT_STATUSES = {
+ExportKind = Literal["output", "errors", "all"]
+EXPORT_STATUSES = {
     "output": (RequestStatus.SUCCEEDED,),
     "errors": (RequestStatus.ERRORED, *sorted(REQUEST_NOT_RUN_STATUSES)),
 }
+EXPORT_STATUSES["all"] = EXPORT_STATUSES["output"] + EXPORT_STATUSES["errors"]  # one file, as vLLM writes
 
 
 def export_results(session: Session, *, job_id: int, kind: ExportKind = "output",
                    chunk_size: int = 10_000) -> Iterator[bytes]:
-    """Yield the OpenAI batch output (kind="output") or error file (kind="errors") lines, in input order.
+    """Yield the OpenAI batch output (kind="output") or error file (kind="errors") lines, in input order;
+    kind="all" yields both in one stream (`batchinfer run --errors-in-output`, as `vllm run-batch` writes).
 
     Walks the primary key (= input order) in windows of `chunk_size` lines: each query reads at most
     that many rows whatever the planner's statistics say, and no transaction stays open in between.
     """
-    if kind not in _EXPORT_STATUSES:
-        raise JobError(f"kind must be 'output' or 'errors', got {kind!r}")
-    statuses = [s.value for s in _EXPORT_STATUSES[kind]]
+    if kind not in EXPORT_STATUSES:
+        raise JobError(f"kind must be 'output', 'errors' or 'all', got {kind!r}")
+    statuses = [s.value for s in EXPORT_STATUSES[kind]]
     columns = (Request.id, Request.line_number, Request.custom_id, Request.status, Request.response,
                Request.error_code, Request.error_message)
     total = session.scalar(select(Job.total_requests).where(Job.id == job_id)) or 0
@@ -45,7 +47,7 @@ def export_results(session: Session, *, job_id: int, kind: ExportKind = "output"
         end_transaction(session)
         for request_id, line_number, custom_id, status, response, code, message in rows:
             custom_id = custom_id if custom_id is not None else f"line-{line_number}"
-            if kind == "output":
+            if status == RequestStatus.SUCCEEDED.value:
                 yield dumps(output_line(request_key=request_id, custom_id=custom_id, body=fragment(response)),
                             option=newline)
             else:

@@ -13,6 +13,7 @@ import os
 import uuid
 from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import orjson
@@ -20,7 +21,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from batchinfer.store.db import write_transaction
-from batchinfer.store.models import File
+from batchinfer.store.ids import MAX_FILE_ID, is_file_id
+from batchinfer.store.models import File, utcnow
 
 FILES_SUBDIR = "files"
 UPLOAD_PURPOSES = ("batch",)
@@ -157,15 +159,18 @@ async def stage_upload_async(chunks: AsyncIterable[bytes], *, data_dir: str | Pa
 
 
 def create_file(session: Session, *, owner: str, staged: StagedUpload, filename: str,
-                purpose: str = "batch") -> File:
-    """Register a staged upload: insert its row and move it to `file-<id>.jsonl`."""
+                purpose: str = "batch", created_at: datetime | None = None,
+                expires_at: datetime | None = None) -> File:
+    """Register a staged upload: insert its row and move it to `file-<id>.jsonl`.
+
+    `expires_at`: when the purge deletes it (store.retention); None: kept until deleted."""
     if purpose not in UPLOAD_PURPOSES:
         raise ValueError(f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}")
     final_path: Path | None = None
     try:
         with write_transaction(session):
             row = File(owner=owner, filename=filename[:512] or "upload.jsonl", purpose=purpose,
-                       bytes=staged.size, path="")
+                       bytes=staged.size, path="", created_at=created_at or utcnow(), expires_at=expires_at)
             session.add(row)
             session.flush()
             final_path = staged.tmp_path.parent / f"file-{row.id}.jsonl"
@@ -182,6 +187,8 @@ def create_file(session: Session, *, owner: str, staged: StagedUpload, filename:
 
 def get_file(session: Session, *, owner: str, file_id: int) -> File | None:
     """The owner's file, or None (absent, or another owner's)."""
+    if not is_file_id(file_id):  # beyond the column's range (store.ids): absent, not a database error
+        return None
     row = session.get(File, file_id)
     return row if row is not None and row.owner == owner else None
 
@@ -194,11 +201,13 @@ def list_files(session: Session, *, owner: str, purpose: str | None = None, limi
         query = query.where(File.purpose == purpose)
     if order == "asc":
         query = query.order_by(File.id.asc())
+        if after is not None and after > MAX_FILE_ID:
+            return [], False
         if after is not None:
             query = query.where(File.id > after)
     else:
         query = query.order_by(File.id.desc())
-        if after is not None:
+        if after is not None and after <= MAX_FILE_ID:  # a cursor past every id narrows nothing
             query = query.where(File.id < after)
     rows = list(session.scalars(query.limit(limit + 1)))
     return rows[:limit], len(rows) > limit
@@ -206,6 +215,8 @@ def list_files(session: Session, *, owner: str, purpose: str | None = None, limi
 
 def delete_file(session: Session, *, owner: str, file_id: int) -> bool:
     """Delete the owner's file row and its bytes; False when there is no such file."""
+    if not is_file_id(file_id):
+        return False
     with write_transaction(session):
         row = session.get(File, file_id)
         if row is None or row.owner != owner:

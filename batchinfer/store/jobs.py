@@ -10,19 +10,23 @@ Settings are passed in (`settings=`); nothing here reads the process settings.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from sqlalchemy import Engine, delete, select, update
+from sqlalchemy import Column, Engine, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings
 from batchinfer.formats import URL_TO_ENDPOINT, validate_metadata
-from batchinfer.store.db import end_transaction, write_transaction
+from batchinfer.store.db import end_transaction, single_flight, write_transaction
 from batchinfer.store.errors import JobError, JobStateError
+from batchinfer.store.ids import MAX_JOB_ID, is_job_id
 from batchinfer.store.ingest import MAX_LISTED_ERRORS, IngestLimits, ingest_file, make_shards
+from batchinfer.store.ingest_lease import IngestLease, IngestLeaseLost, new_ingest_owner, release_lost_ingest
+from batchinfer.store.line_models import ModelRouting
 from batchinfer.store.models import (
     JOB_CANCELLABLE_STATUSES,
     JOB_LIVE_STATUSES,
@@ -34,16 +38,49 @@ from batchinfer.store.models import (
 from batchinfer.store.transitions import finalize_if_done, lock_job, stop_pending
 
 OnInvalid = Literal["skip", "fail"]
+EXPIRY_LOCK_KEY = 0x6578706972  # pg advisory lock id of expire_jobs: "expir"
 _WINDOW = re.compile(r"^(\d+)([smhd])$")
 _WINDOW_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_COMPLETION_WINDOW = timedelta(days=30)
+"""The longest completion_window accepted: a job that may wait longer is better resubmitted later."""
+MAX_COMPLETION_WINDOW_TEXT = "30d"  # MAX_COMPLETION_WINDOW as a window string, for messages
 
 
 def parse_completion_window(window: str) -> timedelta:
-    """'24h' -> timedelta(hours=24); accepts <n>s, <n>m, <n>h, <n>d."""
+    """'24h' -> timedelta(hours=24); accepts <n>s, <n>m, <n>h, <n>d up to MAX_COMPLETION_WINDOW."""
     match = _WINDOW.match(window.strip())
     if not match or int(match.group(1)) <= 0:
-        raise JobError(f"completion_window {window!r} is not valid; use e.g. '24h' (units s, m, h, d)")
-    return timedelta(**{_WINDOW_UNITS[match.group(2)]: int(match.group(1))})
+        raise JobError(f"completion_window {window[:32]!r} is not valid; use e.g. '24h' (units s, m, h, d)")
+    amount, unit = int(match.group(1)), match.group(2)
+    if amount * _UNIT_SECONDS[unit] > MAX_COMPLETION_WINDOW.total_seconds():  # before timedelta can overflow
+        raise JobError(f"completion_window {window.strip()[:32]!r} is longer than the maximum of "
+                       f"{MAX_COMPLETION_WINDOW_TEXT}; use a window up to {MAX_COMPLETION_WINDOW_TEXT} "
+                       "(e.g. '24h')")
+    return timedelta(**{_WINDOW_UNITS[unit]: amount})
+
+
+def canonical_completion_window(window: str) -> str:
+    """A valid window as stored: '0024h ' -> '24h' (fits the column whatever zeros or spaces it came with)."""
+    parse_completion_window(window)
+    match = _WINDOW.match(window.strip())
+    assert match is not None
+    return f"{int(match.group(1))}{match.group(2)}"
+
+
+def check_stored_text(value: str, *, field: str, column: Column) -> None:
+    """JobError naming `field` unless `value` can be stored in `column` as given (both databases).
+
+    PostgreSQL text cannot hold the NUL character and a VARCHAR(n) refuses longer values: either would
+    otherwise fail the insert with a database error instead of a message about the field.
+    """
+    if not value:
+        raise JobError(f"{field} must not be empty")
+    if "\x00" in value:
+        raise JobError(f"{field} {value[:64]!r} contains the NUL character (\\u0000); remove it")
+    max_chars = getattr(column.type, "length", None)
+    if max_chars is not None and len(value) > max_chars:
+        raise JobError(f"{field} is {len(value)} characters long; the limit is {max_chars}")
 
 
 def submit_job(
@@ -63,6 +100,7 @@ def submit_job(
     on_invalid: OnInvalid = "skip",
     completion_window: str | None = None,
     limits: IngestLimits | None = None,
+    output_expires_after: int | None = None,
 ) -> Job:
     """Create a job from a JSONL file (`path`, or a binary `stream`), ingest it and cut it into shards.
 
@@ -70,6 +108,7 @@ def submit_job(
     (or has a bad line and on_invalid="fail"). The same (owner, idempotency_key) returns the first job.
     `endpoint` (an OpenAI url), when given, is required of every line. `priority`: lower runs first.
     Unset shard_size, completion_window and limits come from `settings`; JobError for a bad argument.
+    `output_expires_after`: seconds after the job ends that its rows are kept (store.retention).
     """
     if (path is None) == (stream is None):
         raise JobError("give exactly one of path= or stream=")
@@ -80,24 +119,30 @@ def submit_job(
     shard_size = shard_size or settings.shard_size
     if shard_size < 1:
         raise JobError(f"shard_size must be >= 1, got {shard_size}")
-    limits = limits or IngestLimits.from_settings(settings)
+    limits = limits or IngestLimits.from_settings(settings, model)
     try:
         metadata = validate_metadata(metadata, max_bytes=limits.max_metadata_bytes)
     except ValueError as exc:
         raise JobError(str(exc)) from None
-    window = completion_window or settings.completion_window
+    window = canonical_completion_window(completion_window or settings.completion_window)
     window_delta = parse_completion_window(window)
+    check_stored_text(model, field="model", column=Job.__table__.c.model)
+    if idempotency_key is not None:
+        check_stored_text(idempotency_key, field="idempotency_key", column=Job.__table__.c.idempotency_key)
 
     if idempotency_key is not None:
         existing = _job_by_idempotency_key(session, owner, idempotency_key)
-        if existing is not None:
+        if existing is not None and not release_lost_ingest(session, job=existing):
             return existing
     file = open(path, "rb") if path is not None else None  # noqa: SIM115 - closed below; fail before creating
     now = utcnow()
     job = Job(owner=owner, model=model, endpoint=endpoint, status=JobStatus.VALIDATING,
               input_file_id=input_file_id, input_path=str(path) if path is not None else None,
               completion_window=window, priority=priority, shard_size=shard_size, on_invalid=on_invalid,
-              meta=metadata, idempotency_key=idempotency_key, created_at=now, expires_at=now + window_delta)
+              meta=metadata, idempotency_key=idempotency_key, created_at=now, expires_at=now + window_delta,
+              output_expires_after=output_expires_after,
+              ingest_owner=new_ingest_owner(),
+              ingest_lease_expires_at=now + timedelta(seconds=settings.ingest_lease_seconds))
     try:
         with write_transaction(session):
             session.add(job)
@@ -109,7 +154,13 @@ def submit_job(
             raise
         return existing
     try:
-        _ingest(session, job, file or stream, limits, settings.max_attempts)
+        with IngestLease.of_session(session, job_id=job.id, owner=job.ingest_owner,
+                                    lease_seconds=settings.ingest_lease_seconds) as lease:
+            _ingest(session, job, file or stream, limits, settings.max_attempts, lease.check)
+    except IngestLeaseLost:  # the rescuer failed the job meanwhile: drop what this submit wrote since
+        session.rollback()
+        with write_transaction(session):
+            session.execute(delete(Request).where(Request.job_id == job.id))
     except Exception as exc:
         session.rollback()
         _fail_job(session, job.id, [{"code": "ingest_error", "message": f"ingest stopped: {exc!r}",
@@ -136,12 +187,14 @@ def job_id_by_idempotency_key(session: Session, *, owner: str, key: str) -> int 
     return job_id
 
 
-def _ingest(session: Session, job: Job, stream: BinaryIO, limits: IngestLimits, max_attempts: int) -> None:
+def _ingest(session: Session, job: Job, stream: BinaryIO, limits: IngestLimits, max_attempts: int,
+            check_lease: Callable[[], None]) -> None:
     stop_after = MAX_LISTED_ERRORS if job.on_invalid == "fail" else None
     bind = session.get_bind()
     engine = bind if isinstance(bind, Engine) else bind.engine
+    routing = ModelRouting.at_ingest(session, default=job.model)
     result = ingest_file(engine, job_id=job.id, stream=stream, limits=limits, endpoint=job.endpoint,
-                         stop_after_errors=stop_after)
+                         stop_after_errors=stop_after, check_lease=check_lease, routing=routing)
     if result.fatal is None and result.valid == 0:
         result.fatal = ("the file is empty" if result.total == 0 else
                         f"no valid request in {result.total} line(s); is this a JSONL batch file?")
@@ -153,15 +206,18 @@ def _ingest(session: Session, job: Job, stream: BinaryIO, limits: IngestLimits, 
                   *result.errors]
         _fail_job(session, job.id, errors, num_errors=result.invalid)
         return
-    now = utcnow()
+    now, lease_owner = utcnow(), job.ingest_owner  # (lock_job refreshes `job` itself: read it first)
     with write_transaction(session):
         current = lock_job(session, job.id)
+        if current.ingest_owner != lease_owner:  # the rescuer failed it: this submit's lease is gone
+            raise IngestLeaseLost(f"job {job.id}: the ingest lease expired and the job was failed")
         current.total_requests, current.failed_requests = result.total, result.invalid
         current.errors, current.num_errors = result.errors or None, result.invalid
         if current.status == JobStatus.VALIDATING:
             current.num_shards = make_shards(session, job_id=job.id, result=result,
                                              shard_size=job.shard_size, model=job.model,
-                                             priority=job.priority, max_attempts=max_attempts)
+                                             priority=job.priority, max_attempts=max_attempts,
+                                             routing=routing)
             current.status, current.in_progress_at = JobStatus.IN_PROGRESS, now
             return
         # cancelled or expired while validating: the lines read since then never run either
@@ -181,6 +237,8 @@ def _fail_job(session: Session, job_id: int, errors: list[dict[str, Any]],
 
 def get_job(session: Session, *, job_id: int, owner: str | None = None) -> Job | None:
     """The job, or None if it does not exist (or belongs to another owner when `owner` is given)."""
+    if not is_job_id(job_id):  # beyond the column's range: no such job (never a database error)
+        return None
     job = session.get(Job, job_id, populate_existing=True)
     end_transaction(session)
     if job is None or (owner is not None and job.owner != owner):
@@ -194,7 +252,7 @@ def list_jobs(session: Session, *, owner: str | None = None, after: int | None =
     query = select(Job).order_by(Job.id.desc()).limit(max(1, min(limit, 1000)))
     if owner is not None:
         query = query.where(Job.owner == owner)
-    if after is not None:
+    if after is not None and after <= MAX_JOB_ID:  # a cursor past every id: no narrowing to do
         query = query.where(Job.id < after)
     if status is not None:
         query = query.where(Job.status == status)
@@ -224,11 +282,17 @@ def cancel_job(session: Session, *, job_id: int, owner: str | None = None) -> Jo
 
 
 def expire_jobs(session: Session, *, now: datetime | None = None) -> list[int]:
-    """Expire unfinished jobs past their completion window: pending requests -> expired. Returns their ids."""
+    """Expire unfinished jobs past their completion window: pending requests -> expired. Returns their ids.
+
+    Running shards are left to their workers, whose next heartbeat answers False (as for a cancel): they
+    abort the in-flight requests and hand the shard back. Single-flight (db.single_flight) and idempotent.
+    """
     now = now or utcnow()
     expired: list[int] = []
     live = sorted(JOB_LIVE_STATUSES)
     with write_transaction(session):
+        if not single_flight(session, EXPIRY_LOCK_KEY):  # another expirer is at it right now
+            return expired
         ids = session.scalars(select(Job.id).where(Job.status.in_(live), Job.expires_at < now)).all()
         for job_id in ids:
             job = lock_job(session, job_id)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import sys
 from array import array
 from datetime import datetime
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -41,6 +40,18 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from batchinfer.store.columns import BigId, UTCDateTime, utcnow
+from batchinfer.store.statuses import (  # noqa: F401  (re-exported: importers use store.models)
+    JOB_CANCELLABLE_STATUSES,
+    JOB_FINISHING_STATUSES,
+    JOB_LIVE_STATUSES,
+    JOB_TERMINAL_STATUSES,
+    REQUEST_NOT_RUN_STATUSES,
+    SHARD_OPEN_STATUSES,
+    JobStatus,
+    RequestStatus,
+    ScheduleRunStatus,
+    ShardStatus,
+)
 
 LINE_BITS = 32
 
@@ -50,73 +61,6 @@ def request_id_for(job_id: int, line_number: int) -> int:
     return (job_id << LINE_BITS) | line_number
 
 
-class JobStatus(StrEnum):
-    """Batch status, as in the OpenAI Batch API.
-
-    validating -> in_progress -> finalizing -> completed      (the happy path)
-    validating -> failed                                      (unusable file / on_invalid="fail")
-    in_progress -> cancelling -> cancelled                    (cancelling while a shard is still running)
-    validating | in_progress | cancelling -> expired          (completion_window passed)
-    """
-
-    VALIDATING = "validating"
-    FAILED = "failed"
-    IN_PROGRESS = "in_progress"
-    FINALIZING = "finalizing"
-    COMPLETED = "completed"
-    EXPIRED = "expired"
-    CANCELLING = "cancelling"
-    CANCELLED = "cancelled"
-
-
-# Each status set is defined here once and imported. StrEnum members hash and compare as their string
-# values, so `"completed" in JOB_TERMINAL_STATUSES` holds for the raw strings of the REST API too.
-JOB_TERMINAL_STATUSES: frozenset[JobStatus] = frozenset(
-    {JobStatus.FAILED, JobStatus.COMPLETED, JobStatus.EXPIRED, JobStatus.CANCELLED})
-"""Final: the job's results no longer change (its output and error files can be offered)."""
-JOB_LIVE_STATUSES: frozenset[JobStatus] = frozenset(set(JobStatus) - JOB_TERMINAL_STATUSES)
-"""Not final yet: what expiry can still stop."""
-JOB_CANCELLABLE_STATUSES: frozenset[JobStatus] = frozenset(
-    {JobStatus.VALIDATING, JobStatus.IN_PROGRESS, JobStatus.FINALIZING})
-"""What cancel can stop (cancelling / cancelled are answered as they are)."""
-JOB_FINISHING_STATUSES: frozenset[JobStatus] = frozenset(
-    {JobStatus.IN_PROGRESS, JobStatus.FINALIZING, JobStatus.CANCELLING})
-"""States that end by themselves once no shard is open (finalize_if_done)."""
-
-
-class RequestStatus(StrEnum):
-    """One input line. pending -> succeeded | errored (by a worker, or at ingest for a bad line);
-    pending -> canceled (job cancelled) | expired (job expired). Only pending rows ever change."""
-
-    PENDING = "pending"
-    SUCCEEDED = "succeeded"
-    ERRORED = "errored"
-    CANCELED = "canceled"
-    EXPIRED = "expired"
-
-
-REQUEST_NOT_RUN_STATUSES: frozenset[RequestStatus] = frozenset(
-    {RequestStatus.CANCELED, RequestStatus.EXPIRED})
-"""A request its job stopped before a worker ran it."""
-
-
-class ShardStatus(StrEnum):
-    """available -> running (claimed: lease_owner/lease_token/lease_expires_at set, attempt += 1)
-    running -> available (released, or lease expired with attempts left)
-    running -> completed | failed (max attempts used, or failed by the worker)
-    available | running -> cancelled (job cancelled or expired)"""
-
-    AVAILABLE = "available"
-    RUNNING = "running"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-SHARD_OPEN_STATUSES: frozenset[ShardStatus] = frozenset({ShardStatus.AVAILABLE, ShardStatus.RUNNING})
-"""A shard in one of these still holds its job open."""
-
-
 class Base(DeclarativeBase):
     metadata = MetaData(
         naming_convention={
@@ -124,8 +68,7 @@ class Base(DeclarativeBase):
             "uq": "uq_%(table_name)s_%(column_0_N_name)s",
             "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
             "pk": "pk_%(table_name)s",
-        }
-    )
+        })
 
 
 class File(Base):
@@ -133,7 +76,7 @@ class File(Base):
 
     __tablename__ = "files"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
     owner: Mapped[str] = mapped_column(String(128), default="")
     filename: Mapped[str] = mapped_column(String(512))
     purpose: Mapped[str] = mapped_column(String(32), default="batch")
@@ -155,7 +98,7 @@ class Job(Base):
 
     __tablename__ = "jobs"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
     owner: Mapped[str] = mapped_column(String(128), default="")
     model: Mapped[str] = mapped_column(String(256))
     endpoint: Mapped[str | None] = mapped_column(String(32))  # required url of every line, if set
@@ -168,6 +111,10 @@ class Job(Base):
     on_invalid: Mapped[str] = mapped_column(String(8), default="skip")
     meta: Mapped[dict | None] = mapped_column("metadata", JSON)
     idempotency_key: Mapped[str | None] = mapped_column(String(256))
+    output_expires_after: Mapped[int | None] = mapped_column(Integer)  # s kept after it ends (retention)
+    # While `validating`: who ingests (host:pid:token) and until when its lease runs (store/ingest_lease.py).
+    ingest_owner: Mapped[str | None] = mapped_column(String(256))
+    ingest_lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     errors: Mapped[list | None] = mapped_column(JSON)  # [{code, message, line, param}], first ones only
     num_errors: Mapped[int] = mapped_column(Integer, default=0)  # all line errors, also those not listed
     num_shards: Mapped[int] = mapped_column(Integer, default=0)
@@ -201,6 +148,11 @@ class Job(Base):
         return f"batch_{self.id}"
 
     @property
+    def error_lines(self) -> int:
+        """Lines of the error file: failed requests, and those a cancel or expiry stopped before they ran."""
+        return max(self.failed_requests, self.total_requests - self.completed_requests)
+
+    @property
     def request_counts(self) -> dict[str, int]:
         """OpenAI `request_counts`."""
         return {"total": self.total_requests, "completed": self.completed_requests,
@@ -222,7 +174,7 @@ class Shard(Base):
 
     __tablename__ = "shards"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     ordinal: Mapped[int] = mapped_column(Integer)  # 0.. within the job, in prefix order
     model: Mapped[str] = mapped_column(String(256))  # copied from the job: claim reads one table
@@ -314,7 +266,7 @@ class ApiKey(Base):
 
     __tablename__ = "api_keys"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
     owner: Mapped[str] = mapped_column(String(128))
     name: Mapped[str | None] = mapped_column(String(128))
     key_hash: Mapped[str] = mapped_column(String(128), unique=True)
@@ -324,21 +276,12 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
-class ScheduleRunStatus(StrEnum):
-    """pending (slot claimed) -> submitted (job created) -> completed | failed (outputs out, or no input)."""
-
-    PENDING = "pending"
-    SUBMITTED = "submitted"
-    COMPLETED = "completed"
-    FAILED = "failed"
-
-
 class Schedule(Base):
     """A nightly pipeline: a cron slot in a timezone turns an input path template into one job."""
 
     __tablename__ = "schedules"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     owner: Mapped[str] = mapped_column(String(128), default="")
     cron: Mapped[str] = mapped_column(String(128))
@@ -361,7 +304,7 @@ class ScheduleRun(Base):
 
     __tablename__ = "schedule_runs"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
     schedule_id: Mapped[int] = mapped_column(ForeignKey("schedules.id", ondelete="CASCADE"))
     slot_at: Mapped[datetime] = mapped_column(UTCDateTime)
     manual: Mapped[bool] = mapped_column(default=False)
@@ -382,7 +325,7 @@ class WebhookDelivery(Base):
 
     __tablename__ = "webhook_deliveries"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("schedule_runs.id", ondelete="CASCADE"))
     url: Mapped[str] = mapped_column(Text)
     payload: Mapped[str] = mapped_column(Text)

@@ -53,7 +53,8 @@ def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], 
             errored.append({"rid": request_id, "code": str(result["error"]["code"])[:64],
                             "message": str(result["error"]["message"])})
             continue
-        body = response_body(endpoint=endpoint, model=job.model, request_key=request_id, created=created,
+        body = response_body(endpoint=endpoint, model=result.get("model") or job.model,
+                             request_key=request_id, created=created,
                              choices=result["choices"], prompt_tokens=result["prompt_tokens"],
                              completion_tokens=result["completion_tokens"],
                              cached_tokens=result["cached_tokens"])

@@ -18,6 +18,9 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from batchinfer.config import Settings, get_settings
+from batchinfer.destinations import DestinationRefused, check_schedule_path, check_webhook_url, schedule_roots
+from batchinfer.store import LOCAL_OWNER
 from batchinfer.store.db import write_transaction
 from batchinfer.store.models import Schedule, ScheduleRun, ScheduleRunStatus, WebhookDelivery, utcnow
 
@@ -61,14 +64,22 @@ def add_schedule(session: Session, *, name: str, cron: str, input_template: str,
                  timezone: str = "UTC", output_template: str | None = None,
                  errors_template: str | None = None, params: dict[str, Any] | None = None,
                  webhook_url: str | None = None, webhook_secret: str | None = None, catchup: str = "latest",
-                 owner: str = "",
+                 owner: str = LOCAL_OWNER, settings: Settings | None = None,
                  now: datetime | None = None) -> Schedule:
-    """Create an enabled schedule; its first slot is the first cron time after `now`."""
+    """Create an enabled schedule; its first slot is the first cron time after `now`.
+
+    Its jobs belong to `owner`: LOCAL_OWNER (the default) makes them the local CLI's own, so `status`,
+    `list`, `results` and `cancel` see them. Its paths must lie in schedule_roots and its webhook reach a
+    public address (batchinfer.destinations, under `settings`, default the process settings).
+    """
     validate_schedule(cron=cron, timezone=timezone, catchup=catchup, input_template=input_template,
                       output_template=output_template)
     if errors_template is not None:
         validate_schedule(cron=cron, timezone=timezone, catchup=catchup, input_template=errors_template,
                           output_template=None)
+    check_destinations(settings or get_settings(), webhook_url=webhook_url,
+                       templates={"input": input_template, "output": output_template,
+                                  "errors": errors_template})
     now = now or utcnow()
     schedule = Schedule(name=name, owner=owner, cron=cron, timezone=timezone, input_template=input_template,
                         model=model, output_template=output_template, errors_template=errors_template,
@@ -80,6 +91,21 @@ def add_schedule(session: Session, *, name: str, cron: str, input_template: str,
     except IntegrityError:
         raise ScheduleError(f"name: a schedule called {name!r} exists already") from None
     return schedule
+
+
+def check_destinations(settings: Settings, *, webhook_url: str | None,
+                       templates: dict[str, str | None]) -> None:
+    """ScheduleError unless the webhook and every path template (rendered for a sample slot) are allowed."""
+    roots = schedule_roots(settings)
+    sample = datetime(2000, 1, 2, 3, 4, tzinfo=ZoneInfo("UTC"))
+    try:
+        for field, template in templates.items():
+            if template is not None:
+                check_schedule_path(render_template(template, sample, name="x"), roots, field=field)
+        if webhook_url is not None:
+            check_webhook_url(webhook_url, allow_private=settings.webhook_allow_private)
+    except DestinationRefused as exc:
+        raise ScheduleError(str(exc)) from None
 
 
 def get_schedule(session: Session, *, name: str) -> Schedule:

@@ -11,11 +11,16 @@ Shared by the REST API and the CLI, so it imports neither FastAPI nor torch. Ids
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
+from sqlalchemy.orm import Session
+
 from batchinfer.store.models import JOB_TERMINAL_STATUSES, File, Job, JobStatus
+from batchinfer.store.timeline import first_claim, job_end
+from batchinfer.store.workers import served_models
 
 OUTPUT_FILE_PREFIX = "file-out-"
 ERROR_FILE_PREFIX = "file-err-"
@@ -57,8 +62,9 @@ def output_file_id(job: Job) -> str | None:
 
 
 def error_file_id(job: Job) -> str | None:
-    """The id of the job's error file: set once the job is done and some request failed."""
-    if job.status in JOB_TERMINAL_STATUSES and job.failed_requests > 0:
+    """The id of the job's error file: set once the job is done and some request failed or never ran
+    (its job was cancelled or expired first: `batch_cancelled` / `batch_expired` lines)."""
+    if job.status in JOB_TERMINAL_STATUSES and job.error_lines > 0:
         return f"{ERROR_FILE_PREFIX}{job.id}"
     return None
 
@@ -68,24 +74,63 @@ def epoch(value: datetime | None) -> int | None:
     return int(value.timestamp()) if value is not None else None
 
 
-def _progress(job: Job, now: datetime) -> dict[str, Any]:
+def waiting_note(job: Job, served_models: Collection[str]) -> str | None:
+    """Why an in-progress job with work left does not move: no live worker serves its model (else None)."""
+    if job.status != JobStatus.IN_PROGRESS or job.model in served_models:
+        return None
+    if job.completed_requests + job.failed_requests >= job.total_requests:
+        return None
+    served = ", ".join(served_models) if served_models else "none (no worker is live)"
+    return (f"no live worker serves model {job.model!r}; workers serve: {served}. Start one with "
+            f"`batchinfer worker --model {job.model}`, or the batch expires at the end of its "
+            f"completion_window ({job.completion_window})")
+
+
+def estimate_eta_seconds(*, done: int, remaining: int, elapsed_s: float) -> float | None:
+    """Seconds left at the throughput measured so far (`done` requests in `elapsed_s`).
+
+    None until the first requests finished: before that there is no throughput to measure.
+    """
+    if done <= 0 or elapsed_s <= 0:
+        return None
+    return round(elapsed_s * max(remaining, 0) / done, 1)
+
+
+def _progress(job: Job, now: datetime, note: str | None, started_at: datetime | None) -> dict[str, Any]:
+    """Fraction done, and the throughput measured from the first claim (`started_at`) on.
+
+    The time a job waited for a worker or a model load is no throughput, so the clock starts at the first
+    claim (falling back to in_progress_at when unknown), and requests that failed at ingest
+    (`num_errors`) are not work done by a worker.
+    """
     done = job.completed_requests + job.failed_requests
     total = job.total_requests
     fraction = min(1.0, done / total) if total else (1.0 if job.status in JOB_TERMINAL_STATUSES else 0.0)
-    tokens_per_second = eta_seconds = None
-    if job.in_progress_at is not None:
-        end = (job.finalizing_at or job.completed_at or job.cancelled_at or job.expired_at or job.failed_at
-               or now)
-        elapsed = max((end - job.in_progress_at).total_seconds(), 1e-6)
+    tokens_per_second = requests_per_second = eta_seconds = None
+    start = started_at or job.in_progress_at
+    if start is not None:
+        elapsed = max(((job_end(job) or now) - start).total_seconds(), 1e-6)
+        run_done = max(done - (job.num_errors or 0), 0)
         tokens_per_second = round(job.completion_tokens / elapsed, 2)
-        if job.status == JobStatus.IN_PROGRESS and 0 < done < total:
-            eta_seconds = round(elapsed * (total - done) / done, 1)
-    return {"fraction": round(fraction, 4), "tokens_per_second": tokens_per_second,
-            "eta_seconds": eta_seconds}
+        requests_per_second = round(run_done / elapsed, 3)
+        if job.status == JobStatus.IN_PROGRESS and done < total:
+            eta_seconds = estimate_eta_seconds(done=run_done, remaining=total - done, elapsed_s=elapsed)
+    progress: dict[str, Any] = {"fraction": round(fraction, 4), "tokens_per_second": tokens_per_second,
+                                "requests_per_second": requests_per_second, "eta_seconds": eta_seconds,
+                                "started_at": epoch(started_at)}
+    if note is not None:
+        progress["note"] = note
+    return progress
 
 
-def batch_object(job: Job, *, now: datetime | None = None) -> dict[str, Any]:
-    """The OpenAI Batch object of a job, plus the `progress` extension (ignored by OpenAI clients)."""
+def batch_object(job: Job, *, now: datetime | None = None, served_models: Collection[str] | None = None,
+                 started_at: datetime | None = None) -> dict[str, Any]:
+    """The OpenAI Batch object of a job, plus the `progress` extension (ignored by OpenAI clients).
+
+    With `served_models` (store.workers.served_models) a job no live worker can run says so in
+    `progress.note`; with `started_at` (store.timeline.first_claim) throughput and ETA are measured
+    from the first claim, not from in_progress_at.
+    """
     now = now or datetime.now(UTC)
     errors = None
     if job.errors:
@@ -130,8 +175,17 @@ def batch_object(job: Job, *, now: datetime | None = None) -> dict[str, Any]:
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": job.prompt_tokens + job.completion_tokens,
         },
-        "progress": _progress(job, now),
+        "progress": _progress(job, now, waiting_note(job, served_models) if served_models is not None
+                              else None, started_at),
     }
+
+
+def current_batch_object(session: Session, job: Job) -> dict[str, Any]:
+    """batch_object plus what only the database can tell now: `progress.note` when no live worker serves
+    an in-progress job's model (one small read of the workers table, only for in-progress jobs), and the
+    first claim of its shards, where throughput and ETA are measured from (one indexed MIN)."""
+    served = served_models(session) if job.status == JobStatus.IN_PROGRESS else None
+    return batch_object(job, served_models=served, started_at=first_claim(session, job_id=job.id))
 
 
 def file_object(file: File) -> dict[str, Any]:
@@ -158,7 +212,8 @@ def result_file_object(job: Job, kind: Literal["output", "error"], *, size: int)
         "object": "file",
         "bytes": size,
         "created_at": epoch(created),
-        "expires_at": None,
+        "expires_at": (epoch(created + timedelta(seconds=job.output_expires_after))  # purged then
+                       if job.output_expires_after is not None else None),
         "filename": f"batch_{job.id}_{kind}.jsonl",
         "purpose": "batch_output",
         "status": "processed",

@@ -19,12 +19,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import orjson
-from sqlalchemy import func, select, update
+from sqlalchemy import String, cast, func, literal, select, update
 from sqlalchemy.orm import Session
 
 from batchinfer.engine.sampling_params import SamplingParams
-from batchinfer.store.db import end_transaction, is_sqlite, write_transaction
+from batchinfer.store.db import end_transaction, is_sqlite, single_flight, write_transaction
 from batchinfer.store.errors import LeaseLost
+from batchinfer.store.ingest_lease import fail_lost_ingests
 from batchinfer.store.models import Job, JobStatus, Request, RequestStatus, Shard, ShardStatus, utcnow
 from batchinfer.store.results import apply_results
 from batchinfer.store.transitions import finalize_if_done, lock_job, lock_shard
@@ -42,6 +43,7 @@ class ShardLease:
     lease_expires_at: datetime
     attempt: int
     num_requests: int
+    owner: str = ""  # the job's owner: the worker salts the prefix cache with it (tenant isolation)
 
 
 @dataclass(frozen=True)
@@ -55,15 +57,18 @@ class PendingRequest:
     messages: list[dict[str, Any]] | None
     prompt: str | list[int] | None
     params: SamplingParams  # from_dict of what ingest stored: validated there, not again
+    options: dict[str, Any] | None = None  # echo, chat template arguments (batchinfer/request_options.py)
 
 
 @dataclass
 class RescueReport:
-    """Shards rescue_expired moved: back to available (announce them again), failed, cancelled."""
+    """What rescue_expired did: shards back to available (announce them again), failed, cancelled; jobs
+    failed because their submit died mid-ingest."""
 
     requeued: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
     cancelled: list[int] = field(default_factory=list)
+    lost_ingests: list[int] = field(default_factory=list)  # job ids
     skipped: bool = False  # another rescuer held the lock
 
 
@@ -94,10 +99,11 @@ def claim_shard(session: Session, *, worker_id: str, lease_seconds: float, model
              .execution_options(synchronize_session=False))
     with write_transaction(session):
         row = session.execute(claim).first()
+        owner = None if row is None else session.scalar(select(Job.owner).where(Job.id == row.job_id))
     if row is None:
         return None
     return ShardLease(shard_id=row.id, job_id=row.job_id, lease_token=token, lease_expires_at=expires,
-                      attempt=row.attempt, num_requests=row.num_requests)
+                      attempt=row.attempt, num_requests=row.num_requests, owner=owner or "")
 
 
 def heartbeat(session: Session, *, shard_id: int, lease_token: str, lease_seconds: float,
@@ -132,7 +138,8 @@ def pending_requests(session: Session, *, shard_id: int) -> list[PendingRequest]
     for request_id, custom_id, line_number, endpoint, payload in rows:
         data = orjson.loads(payload)
         out.append(PendingRequest(request_id, custom_id, line_number, endpoint, data.get("messages"),
-                                  data.get("prompt"), SamplingParams.from_dict(data["params"])))
+                                  data.get("prompt"), SamplingParams.from_dict(data["params"]),
+                                  data.get("options")))
     return out
 
 
@@ -155,12 +162,14 @@ def write_results(session: Session, *, shard_id: int, lease_token: str, results:
 
 
 def _error_pending(session: Session, shard: Shard, job: Job, code: str, message: str, now: datetime) -> int:
-    """Error the shard's still-pending requests (counted as failed)."""
+    """Error the shard's still-pending requests (counted as failed); each message names its line."""
     count = 0
+    line_message = literal("line ") + cast(Request.line_number, String) + literal(f": {message}")
     for ids in _batches(shard.request_ids):
         count += session.execute(
             update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.PENDING)
-            .values(status=RequestStatus.ERRORED, error_code=code, error_message=message, finished_at=now)
+            .values(status=RequestStatus.ERRORED, error_code=code, error_message=line_message,
+                    finished_at=now)
             .execution_options(synchronize_session=False)).rowcount
     if count:
         job.failed_requests += count
@@ -233,16 +242,15 @@ def _retire(session: Session, shard: Shard, job: Job, *, code: str, message: str
 
 
 def rescue_expired(session: Session, *, now: datetime | None = None) -> RescueReport:
-    """Return shards whose lease expired to `available`, or fail them (`worker_lost`) after max_attempts.
+    """Return shards whose lease expired to `available`, or fail them (`worker_lost`) after max_attempts;
+    fail `validating` jobs whose ingest lease expired (ingest_lease.fail_lost_ingests).
 
-    Single-flight: PostgreSQL takes an advisory lock (a second rescuer returns skipped=True); on SQLite
-    the BEGIN IMMEDIATE transaction serializes rescuers.
+    Single-flight (db.single_flight: a second rescuer returns skipped=True) and idempotent.
     """
     now = now or utcnow()
     report = RescueReport()
     with write_transaction(session):
-        single_flight = select(func.pg_try_advisory_xact_lock(RESCUE_LOCK_KEY))
-        if not is_sqlite(session) and not session.scalar(single_flight):
+        if not single_flight(session, RESCUE_LOCK_KEY):
             report.skipped = True
             return report
         query = (select(Shard).where(Shard.status == ShardStatus.RUNNING, Shard.lease_expires_at < now)
@@ -261,6 +269,7 @@ def rescue_expired(session: Session, *, now: datetime | None = None) -> RescueRe
         session.flush()
         for job in jobs.values():
             finalize_if_done(session, job=job, now=now)
+        report.lost_ingests = fail_lost_ingests(session, now=now)
     return report
 
 

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from batchinfer.store.db import is_sqlite
 from batchinfer.store.errors import JobNotFound, LeaseLost
+from batchinfer.store.ids import is_job_id
 from batchinfer.store.models import (
     JOB_FINISHING_STATUSES,
     SHARD_OPEN_STATUSES,
@@ -43,6 +44,8 @@ _STOPS: dict[JobStatus, tuple[RequestStatus, str]] = {
 
 def lock_job(session: Session, job_id: int, *, owner: str | None = None) -> Job:
     """The job, re-read and locked for this transaction; JobNotFound if absent (or another owner's)."""
+    if not is_job_id(job_id):  # beyond the column's range (store.ids): absent, not a database error
+        raise JobNotFound(f"job {job_id} not found")
     query = select(Job).where(Job.id == job_id).execution_options(populate_existing=True)
     if not is_sqlite(session):
         query = query.with_for_update()

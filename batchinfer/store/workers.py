@@ -16,6 +16,8 @@ from sqlalchemy.orm import Session
 from batchinfer.store.db import end_transaction, write_transaction
 from batchinfer.store.models import Shard, ShardStatus, Worker, utcnow
 
+WORKER_LIVE_S = 60.0  # a worker that heartbeated within this long (and did not stop) counts as live
+
 
 @dataclass(frozen=True)
 class WorkerInfo:
@@ -29,6 +31,7 @@ class WorkerInfo:
     last_heartbeat_at: datetime
     live: bool
     shard_ids: list[int]
+    info: dict[str, Any] | None = None  # what the worker reports (workers.metrics.heartbeat_info)
 
 
 def register_worker(session: Session, *, worker_id: str, model: str, hostname: str = "",
@@ -46,11 +49,14 @@ def register_worker(session: Session, *, worker_id: str, model: str, hostname: s
             worker.started_at, worker.last_heartbeat_at, worker.stopped_at = now, now, None
 
 
-def worker_heartbeat(session: Session, *, worker_id: str, now: datetime | None = None) -> bool:
-    """Mark the worker alive; False if it was never registered."""
+def worker_heartbeat(session: Session, *, worker_id: str, now: datetime | None = None,
+                     info: dict[str, Any] | None = None) -> bool:
+    """Mark the worker alive (and replace its `info` when given); False if it was never registered."""
+    values: dict[str, Any] = {"last_heartbeat_at": now or utcnow()}
+    if info is not None:
+        values["info"] = info
     with write_transaction(session):
-        result = session.execute(update(Worker).where(Worker.id == worker_id)
-                                 .values(last_heartbeat_at=now or utcnow())
+        result = session.execute(update(Worker).where(Worker.id == worker_id).values(**values)
                                  .execution_options(synchronize_session=False))
     return result.rowcount == 1
 
@@ -62,7 +68,16 @@ def deregister_worker(session: Session, *, worker_id: str, now: datetime | None 
                         .execution_options(synchronize_session=False))
 
 
-def list_workers(session: Session, *, live_within_seconds: float = 60.0, include_dead: bool = False,
+def served_models(session: Session, *, now: datetime | None = None) -> list[str]:
+    """The models live workers serve (heartbeat within WORKER_LIVE_S, not stopped), sorted, each once."""
+    cutoff = (now or utcnow()) - timedelta(seconds=WORKER_LIVE_S)
+    models = session.scalars(select(Worker.model).distinct().where(
+        Worker.stopped_at.is_(None), Worker.last_heartbeat_at >= cutoff).order_by(Worker.model)).all()
+    end_transaction(session)
+    return list(models)
+
+
+def list_workers(session: Session, *, live_within_seconds: float = WORKER_LIVE_S, include_dead: bool = False,
                  now: datetime | None = None) -> list[WorkerInfo]:
     """Workers with their running shards; live = heartbeat within `live_within_seconds` and not stopped."""
     now = now or utcnow()
@@ -76,6 +91,6 @@ def list_workers(session: Session, *, live_within_seconds: float = 60.0, include
         live = worker.stopped_at is None and worker.last_heartbeat_at >= cutoff
         if live or include_dead:
             out.append(WorkerInfo(worker.id, worker.hostname, worker.model, worker.pid, worker.started_at,
-                                  worker.last_heartbeat_at, live, held.get(worker.id, [])))
+                                  worker.last_heartbeat_at, live, held.get(worker.id, []), worker.info))
     end_transaction(session)
     return out

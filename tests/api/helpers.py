@@ -44,15 +44,14 @@ def serve(app: FastAPI) -> Iterator[str]:
 def chat_line(custom_id: str, content: str, *, max_tokens: int = 4, url: str = "/v1/chat/completions",
               **body: Any) -> bytes:
     """One OpenAI batch input line for the chat endpoint."""
-    payload = {"model": "any", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-               **body}
+    payload = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **body}
     return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": payload})
 
 
 def completion_line(custom_id: str, prompt: str, *, max_tokens: int = 4) -> bytes:
     """One OpenAI batch input line for the completions endpoint."""
     return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-                         "body": {"model": "any", "prompt": prompt, "max_tokens": max_tokens}})
+                         "body": {"prompt": prompt, "max_tokens": max_tokens}})
 
 
 def jsonl(lines: list[bytes]) -> bytes:

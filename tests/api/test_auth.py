@@ -162,7 +162,7 @@ def test_auth_disabled_everything_belongs_to_local(tmp_path, sqlite_url):
 
     upgrade(sqlite_url)
     app = create_app(make_settings(tmp_path, sqlite_url, auth_disabled=True))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:  # a loopback Host (api/loopback.py)
         response = client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", GOOD)})
         assert response.status_code == 200
         file_id = response.json()["id"]

@@ -34,7 +34,8 @@ def test_schedule_lifecycle(env: Path) -> None:
     assert code == 1 and "exists already" in out
     code, out = _cli("schedule", "list", "--json")
     listed = orjson.loads(out)
-    assert listed["name"] == "nightly" and listed["enabled"] and listed["params"] == {"max_tokens": 8, "temperature": 0}
+    assert listed["name"] == "nightly" and listed["enabled"]
+    assert listed["params"] == {"max_tokens": 8, "temperature": 0}
     assert _cli("schedule", "pause", "nightly")[0] == 0
     assert orjson.loads(_cli("schedule", "show", "nightly", "--json")[1])["enabled"] is False
     assert _cli("schedule", "resume", "nightly")[0] == 0
@@ -58,5 +59,6 @@ def test_schedule_lifecycle(env: Path) -> None:
 def test_bad_definitions_name_the_field(env: Path) -> None:
     code, out = _cli("schedule", "add", "x", "--cron", "nightly", "--input", "a.jsonl")
     assert code == 1 and "cron" in out
-    code, out = _cli("schedule", "add", "x", "--cron", "0 1 * * *", "--input", "a.jsonl", "--param", "temperature=-1")
+    code, out = _cli("schedule", "add", "x", "--cron", "0 1 * * *", "--input", "a.jsonl",
+                     "--param", "temperature=-1")
     assert code == 2 and "temperature" in out

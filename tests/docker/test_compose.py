@@ -12,7 +12,8 @@ import yaml
 COMPOSE = Path(__file__).resolve().parents[2] / "docker" / "docker-compose.yml"
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (Debian package) not installed")
+@pytest.mark.skipif(shutil.which("docker-compose") is None,
+                    reason="docker-compose (Debian package) not installed")
 def test_compose_config_validates() -> None:
     result = subprocess.run(
         ["docker-compose", "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=60
@@ -29,9 +30,3 @@ def test_compose_config_validates() -> None:
         assert env["BATCHINFER_BROKER_URL"].startswith("redis://redis:")
         assert env["BATCHINFER_DATABASE_URL"].startswith("postgresql+psycopg://")
 
-
-def test_dockerfile_installs_torch_before_the_package() -> None:
-    lines = (COMPOSE.parent / "Dockerfile").read_text().splitlines()
-    torch_line = next(i for i, line in enumerate(lines) if "pip install torch" in line)
-    package_line = next(i for i, line in enumerate(lines) if "pip install '.[postgres]'" in line)
-    assert torch_line < package_line

@@ -20,7 +20,7 @@ if not HAS_CUDA:
 
 @pytest.fixture(params=["cpu", "cuda"])
 def device(request: pytest.FixtureRequest) -> torch.device:
-    """cpu = the interpreter on small shapes (CPU-only machines); cuda = compiled kernels, full-size shapes."""
+    """cpu: the interpreter on small shapes (CPU-only machines); cuda: compiled kernels, full-size shapes."""
     pytest.importorskip("triton")
     from kernels._device import INTERPRETED
 
@@ -31,7 +31,8 @@ def device(request: pytest.FixtureRequest) -> torch.device:
             pytest.skip("TRITON_INTERPRET=1: the compiled kernels are not in use")
     elif not INTERPRETED:
         if HAS_CUDA:
-            pytest.skip("a GPU is present: the kernels are compiled, the interpreter cases run on CPU-only hosts")
+            pytest.skip("a GPU is present: the kernels are compiled, "
+                        "the interpreter cases run on CPU-only hosts")
         pytest.fail("triton was imported before TRITON_INTERPRET=1 could be set (tests/kernels/conftest.py); "
                     "run the tests with TRITON_INTERPRET=1 in the environment")
     return torch.device(request.param)

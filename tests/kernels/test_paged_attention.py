@@ -38,7 +38,8 @@ class Batch:
     dense_v: list[torch.Tensor]
 
     def metadata(self) -> dict:
-        return {"cu_seqlens_q": self.cu_seqlens_q, "seq_lens": self.seq_lens, "block_tables": self.block_tables}
+        return {"cu_seqlens_q": self.cu_seqlens_q, "seq_lens": self.seq_lens,
+                "block_tables": self.block_tables}
 
 
 def make_batch(
@@ -339,7 +340,8 @@ def compile_all_for_hopper() -> list[dict]:
     for dtype, group, head_dim, decode in [(torch.bfloat16, 4, 128, True), (torch.bfloat16, 8, 128, False),
                                            (torch.float32, 4, 128, False), (torch.float16, 3, 80, True)]:
         q_lens, cached = ([1] * 6, [700, 3, 40, 2000, 16, 64]) if decode else ([1, 300, 40], [900, 0, 512])
-        b = make_batch(q_lens, cached, block_size=16, num_kv_heads=8, group=group, head_dim=head_dim, dtype=dtype)
+        b = make_batch(q_lens, cached, block_size=16, num_kv_heads=8, group=group, head_dim=head_dim,
+                       dtype=dtype)
         attention(b.q, b.k_cache, b.v_cache, **b.metadata(), scale=0.1, num_splits=2 if decode else 1)
     cache = torch.zeros(64, 16, 8, 128, dtype=torch.bfloat16)
     kv = torch.zeros(10, 8, 128, dtype=torch.bfloat16)
@@ -347,7 +349,8 @@ def compile_all_for_hopper() -> list[dict]:
     x = torch.zeros(4, 4096, dtype=torch.bfloat16)
     modules["rmsnorm"].rms_norm(x, x[0], 1e-6)
     modules["rmsnorm"].rms_norm(x, x[0], 1e-6, residual=x)
-    return [{"kernel": kernel.fn.__name__, "shared": _compile_for_hopper(kernel, args, kwargs).metadata.shared}
+    return [{"kernel": kernel.fn.__name__,
+             "shared": _compile_for_hopper(kernel, args, kwargs).metadata.shared}
             for kernel, args, kwargs in launches]
 
 
@@ -362,7 +365,8 @@ def test_kernels_compile_for_hopper() -> None:
     compiled = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [c["kernel"] for c in compiled] == (
         ["_paged_attention_kernel", "_merge_splits_kernel"] + ["_paged_attention_kernel"] * 2
-        + ["_paged_attention_kernel", "_merge_splits_kernel", "_store_kvcache_kernel"] + ["_rms_norm_kernel"] * 2)
+        + ["_paged_attention_kernel", "_merge_splits_kernel", "_store_kvcache_kernel"]
+        + ["_rms_norm_kernel"] * 2)
     for c in compiled:
         assert c["shared"] <= H200_MAX_SHARED_BYTES, c
 
@@ -375,8 +379,10 @@ def test_split_heuristic() -> None:
     from kernels.paged_attention import MIN_KEYS_PER_SPLIT, choose_config
 
     def splits(num_seqs: int, max_k: int, max_q: int = 1, tokens: int | None = None) -> int:
-        return choose_config(num_tokens=tokens or num_seqs, num_seqs=num_seqs, num_kv_heads=8, group=4,
-                             head_dim=128, elem_bytes=2, max_seqlen_q=max_q, max_seqlen_k=max_k, num_sms=132).num_splits
+        config = choose_config(num_tokens=tokens or num_seqs, num_seqs=num_seqs, num_kv_heads=8, group=4,
+                               head_dim=128, elem_bytes=2, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                               num_sms=132)
+        return config.num_splits
 
     assert splits(1, 8192) == 16  # one long sequence: spread it over the GPU
     assert splits(64, 2048) == 2

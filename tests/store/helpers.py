@@ -20,8 +20,8 @@ def submit_job(session, **kwargs):
 def chat_line(custom_id: str, user: str, *, system: str = "You are a helpful assistant.",
               **sampling) -> bytes:
     """An OpenAI batch chat line."""
-    body = {"model": "test-model", "messages": [{"role": "system", "content": system},
-                                                {"role": "user", "content": user}], **sampling}
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            **sampling}
     return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
                          "body": body})
 

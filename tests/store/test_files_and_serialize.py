@@ -101,7 +101,8 @@ def test_batch_object_matches_openai_and_reports_progress():
                               "total_tokens": 150}
     assert batch["output_file_id"] is None and batch["error_file_id"] is None  # not finished yet
     # 5 of 10 done in 10 s: 5 more take about 10 s; 50 tokens in 10 s.
-    assert batch["progress"] == {"fraction": 0.5, "tokens_per_second": 5.0, "eta_seconds": 10.0}
+    assert batch["progress"] == {"fraction": 0.5, "tokens_per_second": 5.0, "requests_per_second": 0.5,
+                                 "eta_seconds": 10.0, "started_at": None}
 
 
 def test_result_files_are_offered_once_the_job_is_done():

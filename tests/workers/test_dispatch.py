@@ -20,7 +20,7 @@ from batchinfer.store import shards as shard_store
 from batchinfer.store.db import session_factory, upgrade
 from batchinfer.store.models import ShardStatus
 from tests.workers.helpers import write_requests
-from workers.app import RESCUE, RUN_SHARD, SCHEDULE_TICK, create_celery_app, queue_name
+from workers.app import EXPIRE, RESCUE, RUN_SHARD, SCHEDULE_TICK, create_celery_app, queue_name
 from workers.dispatch import submit_and_announce
 
 MODEL = "announce-test-model"
@@ -118,5 +118,5 @@ def test_the_worker_app_has_every_task_beat_sends() -> None:
     app = workers.celery_app.app
     assert workers.celery_app.app is app  # one app per process, tasks registered once
     scheduled = {entry["task"] for entry in app.conf.beat_schedule.values()}
-    assert scheduled == {RESCUE, SCHEDULE_TICK}
-    assert {RUN_SHARD, RESCUE, SCHEDULE_TICK} <= set(app.tasks)
+    assert {RESCUE, EXPIRE, SCHEDULE_TICK} <= scheduled
+    assert {RUN_SHARD, *scheduled} <= set(app.tasks)

@@ -22,6 +22,7 @@ from batchinfer.api import metrics
 from batchinfer.api.cache import PollCache
 from batchinfer.api.deps import Caller, CallerDep, OwnerDep, SessionsDep, SettingsDep, ingest_pool
 from batchinfer.api.errors import ERROR_RESPONSES, APIError, bad_request, not_found
+from batchinfer.api.limits import quota_errors
 from batchinfer.api.schemas import BatchList, BatchObject, CreateBatchRequest
 from batchinfer.config import Settings
 from batchinfer.formats import URL_TO_ENDPOINT, validate_metadata
@@ -29,13 +30,17 @@ from batchinfer.store import files as file_store
 from batchinfer.store.errors import JobError, JobNotFound, JobStateError
 from batchinfer.store.jobs import (
     cancel_job,
+    check_stored_text,
     get_job,
     job_id_by_idempotency_key,
     list_jobs,
     parse_completion_window,
 )
 from batchinfer.store.models import File, Job
-from batchinfer.store.serialize import batch_object, parse_batch_id, parse_file_id
+from batchinfer.store.quotas import check_job_quotas
+from batchinfer.store.serialize import batch_object, current_batch_object, parse_batch_id, parse_file_id
+from batchinfer.store.timeline import first_claims
+from batchinfer.store.workers import served_models
 from workers.dispatch import submit_and_announce
 
 logger = logging.getLogger("batchinfer.api")
@@ -64,6 +69,11 @@ def _validate(body: CreateBatchRequest, session: Session, owner: str, max_metada
     except JobError as exc:
         raise bad_request(f"Invalid completion_window: {exc}.", param="completion_window",
                           code="invalid_value") from None
+    if body.model is not None:
+        try:
+            check_stored_text(body.model, field="model", column=Job.__table__.c.model)
+        except JobError as exc:
+            raise bad_request(f"Invalid model: {exc}.", param="model", code="invalid_value") from None
     try:
         validate_metadata(body.metadata, max_bytes=max_metadata_bytes)
     except ValueError as exc:
@@ -128,14 +138,18 @@ async def create_batch(
     """Create a batch from an uploaded `batch` file; returns it `validating`, `in_progress` or `failed`."""
 
     def validate() -> File:
-        with factory() as session:
+        with factory() as session, quota_errors():
+            check_job_quotas(session, owner=owner, settings=settings)  # 429 naming the limit
             return _validate(body, session, owner, settings.max_metadata_bytes)
 
     file = await run_in_threadpool(validate)
+    expiry = body.output_expires_after
     key = f"api:{idempotency_key}" if idempotency_key else f"api:{uuid.uuid4().hex}"
     kwargs = dict(model=body.model or settings.default_model, path=file.path, input_file_id=file.id,
                   owner=owner, endpoint=body.endpoint, metadata=body.metadata,
-                  completion_window=body.completion_window, idempotency_key=key)
+                  completion_window=body.completion_window, idempotency_key=key,
+                  on_invalid=body.on_invalid or "skip", priority=body.priority or 0,
+                  shard_size=body.shard_size, output_expires_after=expiry.seconds if expiry else None)
     future = ingest_pool(request.app).submit(_submit, factory, settings, kwargs)
     try:
         job_id = await _wait_for_job(factory, owner, key, future)
@@ -147,7 +161,7 @@ async def create_batch(
             job = get_job(session, job_id=job_id, owner=owner)
             if job is None:  # cannot happen: the job was just created for this owner
                 raise APIError(500, "The batch vanished while it was being created.")
-            return batch_object(job)
+            return current_batch_object(session, job)
 
     return await run_in_threadpool(load)
 
@@ -170,7 +184,10 @@ async def list_batches(
             raise bad_request(f"Invalid 'after' cursor '{after}': pass the id of a batch from a previous "
                               "page.", param="after")
         jobs = list_jobs(session, owner=owner, after=after_id, limit=limit + 1)
-        data = [batch_object(job) for job in jobs[:limit]]
+        served = served_models(session)  # once per page: the note of jobs no live worker serves
+        started = first_claims(session, job_ids=[job.id for job in jobs[:limit]])  # throughput's clock
+        data = [batch_object(job, served_models=served, started_at=started.get(job.id))
+                for job in jobs[:limit]]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) > limit}
 
@@ -190,7 +207,7 @@ async def retrieve_batch(batch_id: BatchId, caller: CallerDep, request: Request)
 
     def read(session: Session, owner: str) -> dict[str, Any]:
         job = _job_or_404(session, owner, batch_id)
-        batch = batch_object(job)
+        batch = current_batch_object(session, job)
         cache.put(job.id, (job.owner, batch))
         return batch
 

@@ -2,7 +2,8 @@
 
 Uploads are parsed from the raw request stream (see uploads.py), so a file never sits in memory.
 Output and error files are generated from the database on download (ids `file-out-<job>` /
-`file-err-<job>`).
+`file-err-<job>`, purpose `batch_output`): they are listed after the uploads, and deleting one deletes
+the result rows it is made of (store.result_files).
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ from sqlalchemy.orm import Session, sessionmaker
 from batchinfer.api import metrics
 from batchinfer.api.deps import Caller, CallerDep, OwnerDep, SessionsDep, SettingsDep
 from batchinfer.api.errors import ERROR_RESPONSES, ErrorResponse, bad_request, not_found
+from batchinfer.api.limits import quota_errors, upload_expires_at
 from batchinfer.api.schemas import UPLOAD_BODY, DeletedFile, FileList, FileObject
 from batchinfer.api.uploads import Upload, receive_upload
+from batchinfer.config import Settings
 from batchinfer.store import files as file_store
 from batchinfer.store.export import export_results
 from batchinfer.store.jobs import get_job
-from batchinfer.store.models import Job
+from batchinfer.store.models import Job, utcnow
+from batchinfer.store.quotas import check_storage_quota
+from batchinfer.store.result_files import delete_result_file, list_result_files, result_file_exists
 from batchinfer.store.serialize import (
     error_file_id,
     file_object,
@@ -49,7 +54,7 @@ async def upload_file(request: Request, owner: OwnerDep, settings: SettingsDep,
     """Stream a multipart upload (fields `file`, `purpose=batch`) to storage; returns the File object."""
     upload = await receive_upload(request, settings)
     try:
-        row = await run_in_threadpool(_register, sessions, owner, upload)
+        row = await run_in_threadpool(register_upload, sessions, owner, upload, settings)
     except BaseException:
         upload.staged.tmp_path.unlink(missing_ok=True)
         raise
@@ -57,10 +62,14 @@ async def upload_file(request: Request, owner: OwnerDep, settings: SettingsDep,
     return file_object(row)
 
 
-def _register(sessions: sessionmaker[Session], owner: str, upload: Upload) -> Any:
-    with sessions() as session:
+def register_upload(sessions: sessionmaker[Session], owner: str, upload: Upload, settings: Settings) -> Any:
+    """Record a received upload as the owner's File (storage quota, expires_after); /ui uploads use it too."""
+    now = utcnow()
+    expires_at = upload_expires_at(upload.fields, now)  # OpenAI's expires_after form fields, or None
+    with sessions() as session, quota_errors():
+        check_storage_quota(session, owner=owner, settings=settings, new_bytes=upload.staged.size)
         return file_store.create_file(session, owner=owner, staged=upload.staged, filename=upload.filename,
-                                      purpose=upload.purpose)
+                                      purpose=upload.purpose, created_at=now, expires_at=expires_at)
 
 
 # Read routes are async with one threadpool call each (see batches.py for why).
@@ -69,29 +78,51 @@ def _register(sessions: sessionmaker[Session], owner: str, upload: Upload) -> An
 @router.get("", response_model=FileList, responses=ERROR_RESPONSES, summary="List your files")
 async def list_files(
     caller: CallerDep,
+    request: Request,
     purpose: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
     after: str | None = None,
     order: Literal["asc", "desc"] = "desc",
 ) -> dict[str, Any]:
-    """Your uploaded files, newest first (`after`: the last id of the previous page)."""
-    return await run_in_threadpool(_list, caller, purpose, limit, after, order)
+    """Your files: uploads (purpose `batch`), then your batches' output and error files (purpose
+    `batch_output`), each newest first unless `order=asc`; `purpose` keeps one of the two, and `after`
+    is the last id of the previous page."""
+    return await run_in_threadpool(_list, caller, purpose, limit, after, order,
+                                   request.app.state.result_file_sizes)
 
 
-def _list(caller: Caller, purpose: str | None, limit: int, after: str | None, order: str) -> dict[str, Any]:
+def _list(caller: Caller, purpose: str | None, limit: int, after: str | None, order: str,
+          sizes: dict[tuple[int, str], int]) -> dict[str, Any]:
+    ref = parse_file_id(after) if after else None
+    wrong_kind = ref is not None and (ref.kind == "input" if purpose == "batch_output"
+                                      else ref.kind != "input" and purpose is not None)
+    if after and (ref is None or wrong_kind):
+        raise bad_request(f"Invalid 'after' cursor '{after[:64]}': pass the id of a file from a "
+                          "previous page.", param="after")
+    data: list[dict[str, Any]] = []
+    has_more = False
     with caller.session() as (session, owner):
-        after_id = None
-        if after:
-            ref = parse_file_id(after)
-            if ref is None or ref.kind != "input":
-                raise bad_request(f"Invalid 'after' cursor '{after[:64]}': pass the id of a file from a "
-                                  "previous page.", param="after")
-            after_id = ref.id
-        rows, has_more = file_store.list_files(session, owner=owner, purpose=purpose, limit=limit,
-                                               after=after_id, order=order)
-        data = [file_object(row) for row in rows]
+        if purpose != "batch_output" and (ref is None or ref.kind == "input"):
+            rows, has_more = file_store.list_files(session, owner=owner, purpose=purpose, limit=limit,
+                                                   after=ref.id if ref else None, order=order)
+            data = [file_object(row) for row in rows]
+        if purpose in (None, "batch_output") and not has_more and len(data) < limit:
+            result_after = (ref.id, ref.kind) if ref is not None and ref.kind != "input" else None
+            files, has_more = list_result_files(session, owner=owner, limit=limit - len(data),
+                                                after=result_after, order=order)  # type: ignore[arg-type]
+            data += [result_file_object(f.job, f.kind, size=_result_size(session, f.job, f.kind, sizes))
+                     for f in files]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+def _result_size(session: Session, job: Job, kind: str, sizes: dict[tuple[int, str], int]) -> int:
+    """Bytes of a finished job's output or error file, measured once (its rows change only by deletion)."""
+    size = sizes.get((job.id, kind))
+    if size is None:
+        lines = export_results(session, job_id=job.id, kind=_export_kind(kind))
+        size = sizes[(job.id, kind)] = sum(map(len, lines))
+    return size
 
 
 def _result_job(session: Session, owner: str, file_id: str) -> tuple[Job, Literal["output", "error"]]:
@@ -100,7 +131,7 @@ def _result_job(session: Session, owner: str, file_id: str) -> tuple[Job, Litera
         raise not_found("File", file_id, param="file_id")
     job = get_job(session, job_id=ref.id, owner=owner)
     offered_id = (output_file_id(job) if ref.kind == "output" else error_file_id(job)) if job else None
-    offered = offered_id == file_id
+    offered = offered_id == file_id and result_file_exists(session, job=job, kind=ref.kind)  # type: ignore[arg-type]
     if not offered:
         raise not_found("File", file_id, param="file_id")
     return job, ref.kind  # type: ignore[return-value]
@@ -121,11 +152,7 @@ def _retrieve(caller: Caller, file_id: str, sizes: dict[tuple[int, str], int]) -
                 raise not_found("File", file_id, param="file_id")
             return file_object(row)
         job, kind = _result_job(session, owner, file_id)
-        size = sizes.get((job.id, kind))
-        if size is None:  # results of a finished job no longer change: measure once
-            lines = export_results(session, job_id=job.id, kind=_export_kind(kind))
-            size = sizes[(job.id, kind)] = sum(map(len, lines))
-        return result_file_object(job, kind, size=size)
+        return result_file_object(job, kind, size=_result_size(session, job, kind, sizes))
 
 
 def _export_kind(kind: str) -> Literal["output", "errors"]:
@@ -133,18 +160,21 @@ def _export_kind(kind: str) -> Literal["output", "errors"]:
 
 
 @router.delete("/{file_id}", response_model=DeletedFile, responses=ERROR_RESPONSES, summary="Delete a file")
-async def delete_file(file_id: FileId, caller: CallerDep) -> dict[str, Any]:
-    """Delete an uploaded file (batches made from it keep their requests)."""
-    return await run_in_threadpool(_delete, caller, file_id)
+async def delete_file(file_id: FileId, caller: CallerDep, request: Request) -> dict[str, Any]:
+    """Delete an uploaded file (batches made from it keep their requests), or a batch's output or error
+    file (its result lines are deleted; the batch keeps its request_counts)."""
+    return await run_in_threadpool(_delete, caller, file_id, request.app.state.result_file_sizes)
 
 
-def _delete(caller: Caller, file_id: str) -> dict[str, Any]:
+def _delete(caller: Caller, file_id: str, sizes: dict[tuple[int, str], int]) -> dict[str, Any]:
     ref = parse_file_id(file_id)
     with caller.session() as (session, owner):
         if ref is not None and ref.kind != "input":
-            _result_job(session, owner, file_id)  # 404 unless it is the caller's
-            raise bad_request("Batch output and error files are generated from the batch and cannot be "
-                              "deleted.", param="file_id")
+            job, kind = _result_job(session, owner, file_id)  # 404 unless it is the caller's
+            if not delete_result_file(session, owner=owner, job_id=job.id, kind=kind):
+                raise not_found("File", file_id, param="file_id")
+            sizes.pop((job.id, kind), None)
+            return {"id": file_id, "object": "file", "deleted": True}
         if ref is None or not file_store.delete_file(session, owner=owner, file_id=ref.id):
             raise not_found("File", file_id, param="file_id")
     return {"id": file_id, "object": "file", "deleted": True}

@@ -9,15 +9,21 @@ GEMMs suit many queries per sequence.
 
 Built with torch.utils.cpp_extension (g++, ninja) into torch's extension dir, once per machine and source
 (-march=native, so the name carries the CPU's flags). If the build fails, or BATCHINFER_CPU_ATTENTION=sdpa
-is set, `load()` returns None and the torch path is used: same results, slower.
+is set, `load()` returns None and the torch path is used: same results, slower. A build lock left by a
+process killed mid-build is detected and removed (see build_lock), so no worker waits on it forever.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -174,6 +180,11 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
 _extension: Any = None
 _attempted = False
 
+BUILD_WAIT_S = 900.0  # longest wait for another process's build (a build takes about a minute on 2 cores)
+BUILD_WAIT_LOG_S = 30.0  # while waiting, say so this often
+OWNER_LOCK_NAME = "batchinfer-build.lock"  # our lock beside torch's "lock" file, in the build directory
+TORCH_LOCK_NAME = "lock"  # torch.utils.file_baton's lock: a plain file that a killed builder leaves behind
+
 
 def _cpu_tag() -> str:
     try:
@@ -184,8 +195,79 @@ def _cpu_tag() -> str:
     return hashlib.sha256(f"{platform.machine()}{flags}{_SOURCE}".encode()).hexdigest()[:12]
 
 
-def load() -> Any:
-    """The compiled extension (built on the first call), or None when it is disabled or cannot be built."""
+def extension_name() -> str:
+    """The extension's module name: one per CPU flag set and kernel source."""
+    return f"batchinfer_cpu_attention_{_cpu_tag()}"
+
+
+def build_directory(name: str) -> Path:
+    """Where torch builds `name` (its usual per-user extensions dir, or TORCH_EXTENSIONS_DIR)."""
+    from torch.utils import cpp_extension
+
+    try:
+        return Path(cpp_extension._get_build_directory(name, verbose=False))  # what load_inline would use
+    except AttributeError:  # a torch without the helper: the same layout, spelled out
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+        directory = Path(root) / name
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
+
+
+@contextmanager
+def build_lock(directory: Path, *, wait_s: float = BUILD_WAIT_S) -> Iterator[bool]:
+    """Hold the build directory for this process; yields False if another live process held it `wait_s`.
+
+    torch's own lock is a plain file: a builder killed mid-build (kill -9, OOM) leaves it behind, and
+    every later load waits on it forever, silently. Our lock is an flock(2) on a file beside it, which
+    the kernel drops when its process dies, so whoever holds ours owns torch's: a torch lock file found
+    while holding ours was left by a dead process and is removed (with a warning) before building.
+    """
+    path = directory / OWNER_LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start = time.monotonic()
+        next_log = start + BUILD_WAIT_LOG_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                now = time.monotonic()
+                if now - start >= wait_s:
+                    logger.warning("native CPU decode attention: process %s has been building %s for over "
+                                   "%.0fs; not waiting longer, using the SDPA path", _holder(path), directory,
+                                   wait_s)
+                    yield False
+                    return
+                if now >= next_log:
+                    logger.info("native CPU decode attention: waiting for process %s, which is building it "
+                                "in %s (%.0fs so far)", _holder(path), directory, now - start)
+                    next_log = now + BUILD_WAIT_LOG_S
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        stale = directory / TORCH_LOCK_NAME
+        if stale.exists():
+            logger.warning("native CPU decode attention: removing the stale build lock %s (the process that "
+                           "held it is gone, killed while building?); rebuilding", stale)
+            stale.unlink(missing_ok=True)
+        yield True
+    finally:
+        os.close(fd)  # also releases the flock
+
+
+def _holder(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "?"
+    except OSError:
+        return "?"
+
+
+def load(*, wait_s: float = BUILD_WAIT_S) -> Any:
+    """The compiled extension (built on the first call), or None when it is disabled or cannot be built.
+
+    Waits at most `wait_s` for another process building it (see build_lock), logging while it waits.
+    """
     global _extension, _attempted
     if _attempted:
         return _extension
@@ -195,13 +277,19 @@ def load() -> Any:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        _extension = load_inline(
-            name=f"batchinfer_cpu_attention_{_cpu_tag()}",
-            cpp_sources=_SOURCE,
-            functions=["paged_decode_attention"],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-        )
+        name = extension_name()
+        directory = build_directory(name)
+        with build_lock(directory, wait_s=wait_s) as held:
+            if not held:
+                return None
+            _extension = load_inline(
+                name=name,
+                cpp_sources=_SOURCE,
+                functions=["paged_decode_attention"],
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+            )
     except Exception as exc:  # no compiler / ninja: the SDPA path is correct, only slower
         logger.warning("native CPU decode attention unavailable (%s); using the SDPA path", exc)
         _extension = None

@@ -1,0 +1,48 @@
+"""Quotas and expiry policies at the API (README "Security"): 429 for an owner over a limit, and
+OpenAI's `expires_after` of an upload ({"anchor": "created_at", "seconds": N}, sent as the form fields
+`expires_after[anchor]` and `expires_after[seconds]`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import datetime, timedelta
+
+from batchinfer.api.errors import APIError, bad_request
+from batchinfer.store.quotas import QuotaExceeded
+
+# OpenAI's bounds for expires_after.seconds: one hour to thirty days.
+MIN_EXPIRES_AFTER_S, MAX_EXPIRES_AFTER_S = 3600, 30 * 86400
+
+
+@contextmanager
+def quota_errors() -> Iterator[None]:
+    """Turn a store QuotaExceeded into the API's 429 (OpenAI's rate_limit_error shape)."""
+    try:
+        yield
+    except QuotaExceeded as exc:
+        raise APIError(429, str(exc), code="quota_exceeded", param=None) from None
+
+
+def check_expires_after(anchor: object, seconds: object, *, param: str) -> int:
+    """The seconds of an expires_after policy, or 400 naming `param`."""
+    if anchor != "created_at":
+        raise bad_request(f"Invalid {param}.anchor: only 'created_at' is supported, got {anchor!r}.",
+                          param=f"{param}.anchor", code="invalid_value")
+    try:
+        value = int(str(seconds))
+    except ValueError:
+        value = -1
+    if not MIN_EXPIRES_AFTER_S <= value <= MAX_EXPIRES_AFTER_S:
+        raise bad_request(f"Invalid {param}.seconds: must be an integer from {MIN_EXPIRES_AFTER_S} to "
+                          f"{MAX_EXPIRES_AFTER_S}, got {str(seconds)[:40]!r}.", param=f"{param}.seconds",
+                          code="invalid_value")
+    return value
+
+
+def upload_expires_at(fields: Mapping[str, str], created_at: datetime) -> datetime | None:
+    """When an upload expires, from its form fields (None: it does not)."""
+    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    return created_at + timedelta(seconds=check_expires_after(anchor, seconds, param="expires_after"))

@@ -1,0 +1,152 @@
+"""What the dashboard's pages show, read through the store's services (the routes hold no SQL).
+
+Every figure is the REST API's: a job row is its batch object (store.serialize, with the first claim for
+throughput and ETA), a worker row is what the worker reported in its heartbeat (workers.metrics).
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from sqlalchemy.orm import Session
+
+from batchinfer.engine.metrics import model_label
+from batchinfer.store.columns import utcnow
+from batchinfer.store.export import export_results
+from batchinfer.store.jobs import get_job, list_jobs
+from batchinfer.store.models import JOB_CANCELLABLE_STATUSES, JOB_TERMINAL_STATUSES, Job, JobStatus
+from batchinfer.store.serialize import batch_object, current_batch_object, parse_batch_id
+from batchinfer.store.timeline import first_claims, token_timeline
+from batchinfer.store.workers import list_workers, served_models
+
+JOBS_ON_PAGE = 50
+ERRORS_PREVIEW = 10
+# A heartbeat older than this says the worker is not generating now (a busy worker beats every 10 s).
+THROUGHPUT_FRESH_S = 30.0
+
+_TONES = {
+    JobStatus.COMPLETED: "ok", JobStatus.IN_PROGRESS: "busy", JobStatus.FINALIZING: "busy",
+    JobStatus.VALIDATING: "busy", JobStatus.CANCELLING: "warn", JobStatus.CANCELLED: "muted",
+    JobStatus.EXPIRED: "warn", JobStatus.FAILED: "bad",
+}
+
+
+def duration(seconds: float | None) -> str:
+    """h:mm:ss, or m:ss under an hour; an em dash when unknown."""
+    if seconds is None:
+        return "\u2014"
+    hours, rest = divmod(max(0, round(seconds)), 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def ago(seconds: float) -> str:
+    """How long ago, in words a glance reads: 4 s, 3 min, 2 h."""
+    seconds = max(0, round(seconds))
+    if seconds < 120:
+        return f"{seconds} s ago"
+    return f"{seconds // 60} min ago" if seconds < 7200 else f"{seconds // 3600} h ago"
+
+
+def tone(status: str) -> str:
+    """The colour family of a status badge."""
+    return _TONES.get(status, "muted")  # type: ignore[call-overload]
+
+
+def _row(batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch object plus what a table row shows."""
+    counts, progress = batch["request_counts"], batch.get("progress") or {}
+    done = counts["completed"] + counts["failed"]
+    return {**batch, "done": done, "percent": round(100.0 * (progress.get("fraction") or 0.0), 1),
+            "model_name": model_label(batch["model"] or ""),
+            "live": batch["status"] not in JOB_TERMINAL_STATUSES,
+            "cancellable": batch["status"] in JOB_CANCELLABLE_STATUSES, "tone": tone(batch["status"]),
+            "eta": duration(progress.get("eta_seconds")), "created": _clock(batch["created_at"])}
+
+
+def jobs_view(session: Session, *, owner: str, limit: int = JOBS_ON_PAGE) -> list[dict[str, Any]]:
+    """The owner's newest jobs as table rows."""
+    jobs = list_jobs(session, owner=owner, limit=limit)
+    served = served_models(session)
+    started = first_claims(session, job_ids=[job.id for job in jobs])
+    return [_row(batch_object(job, served_models=served, started_at=started.get(job.id))) for job in jobs]
+
+
+def find_job(session: Session, *, owner: str, batch_id: str) -> Job | None:
+    """The owner's job behind `batch_id` (None for another owner's job, like the REST API's 404)."""
+    job_id = parse_batch_id(batch_id)
+    return get_job(session, job_id=job_id, owner=owner) if job_id is not None else None
+
+
+def batch_view(session: Session, job: Job) -> dict[str, Any]:
+    """One job's page: its row, and the first error lines."""
+    row = _row(current_batch_object(session, job))
+    row["errors_preview"] = errors_preview(session, job)
+    return row
+
+
+def errors_preview(session: Session, job: Job, *, limit: int = ERRORS_PREVIEW) -> list[dict[str, Any]]:
+    """The first `limit` errors: the input file's line errors, then the error lines of failed requests.
+
+    Only scans the results when some request failed after ingest (failed_requests > num_errors).
+    """
+    out = []
+    for error in (job.errors or [])[:limit]:
+        where = f"line {error['line']}" if error.get("line") else "file"
+        message = (error.get("message") or "").removeprefix(f"{where}: ")
+        out.append({"where": where, "code": error.get("code") or "", "message": message})
+    if len(out) < limit and job.failed_requests > job.num_errors:
+        listed = {item["where"] for item in out}
+        for raw in itertools.islice(export_results(session, job_id=job.id, kind="errors"), 4 * limit):
+            line = orjson.loads(raw)
+            error = line.get("error") or {}
+            message = error.get("message") or ""
+            where = message.split(":", 1)[0] if message.startswith("line ") else line.get("custom_id", "")
+            if where in listed:
+                continue
+            out.append({"where": where, "code": error.get("code") or "",
+                        "message": message.removeprefix(f"{where}: ")})
+            if len(out) >= limit:
+                break
+    return out
+
+
+def timeline_view(session: Session, job: Job) -> dict[str, Any]:
+    """The tokens/s chart's data: times (unix s) and tokens per second; `final` once the job ended.
+
+    Each bucket's rate is drawn at its end (when it was measured), after a 0 at the first claim, so the
+    line starts as soon as one bucket exists.
+    """
+    points = token_timeline(session, job=job)
+    at = [points[0].start] if points else []
+    rates = [0.0] if points else []
+    for point in points:
+        at.append(point.end)
+        rates.append(point.tokens_per_second)
+    return {"at": [round(t, 3) for t in at], "tokens_per_second": rates,
+            "final": job.status in JOB_TERMINAL_STATUSES}
+
+
+def workers_view(session: Session, *, now: datetime | None = None) -> list[dict[str, Any]]:
+    """Live workers: model, current throughput (their last heartbeat's), shards held, metrics port."""
+    now = now or utcnow()
+    rows = []
+    for worker in list_workers(session, now=now):
+        info = worker.info or {}
+        age = (now - worker.last_heartbeat_at).total_seconds()
+        rate = info.get("tokens_per_second") if age <= THROUGHPUT_FRESH_S else 0.0
+        rows.append({"id": worker.worker_id, "model": worker.model, "model_name": model_label(worker.model),
+                     "process": f"{worker.hostname}:{worker.pid}", "shards": worker.shard_ids,
+                     "tokens_per_second": rate or 0.0,
+                     "metrics_port": info.get("metrics_port"), "heartbeat": ago(age),
+                     "busy": bool(worker.shard_ids)})
+    return rows
+
+
+def _clock(epoch: int | None) -> str:
+    if epoch is None:
+        return ""
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

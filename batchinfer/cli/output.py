@@ -1,0 +1,100 @@
+"""How every command prints: human text, or with `--json` JSON objects; errors and exit codes.
+
+Under `--json` stdout carries only JSON (one object per line) and an error is one JSON object on stderr,
+`{"error": {"message", "type"}, "exit_code": N}`, with the same exit code as without `--json`. Without
+it an error is one line, `error: <message>`, on stderr.
+
+Exit codes (for scripts and schedulers): 0 the job completed with no failed request (or the command
+succeeded); 1 an error (bad arguments, file not found, unknown job, server unreachable, bad settings);
+2 a usage error (unknown option, missing argument); 3 the job completed but some requests failed; 4 the
+job failed; 5 it was cancelled; 6 it expired; 7 --wait timed out.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+import orjson
+from pydantic import SecretStr
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_PARTIAL, EXIT_FAILED, EXIT_CANCELLED, EXIT_EXPIRED, EXIT_TIMEOUT = 3, 4, 5, 6, 7
+EXIT_CODES = {
+    EXIT_OK: "completed with no failed request (or the command succeeded)",
+    EXIT_ERROR: "error (bad arguments, unknown job, unreachable server, bad settings)",
+    EXIT_USAGE: "usage error (unknown option or command, missing argument)",
+    EXIT_PARTIAL: "completed but some requests failed",
+    EXIT_FAILED: "the job failed",
+    EXIT_CANCELLED: "cancelled",
+    EXIT_EXPIRED: "expired",
+    EXIT_TIMEOUT: "--wait --timeout ran out",
+}
+
+_JSON_KEY = "batchinfer.json"  # ctx.meta is shared by a command and its parents
+
+
+def _remember_json(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    if value:
+        ctx.meta[_JSON_KEY] = True
+    return value
+
+
+def json_option(help: str = "Print JSON (one object per line); errors as a JSON object on stderr."):  # noqa: A002, ANN201
+    """The `--json` flag every command takes (eager, so errors met while parsing are JSON too)."""
+    return click.option("--json", "as_json", is_flag=True, is_eager=True, callback=_remember_json, help=help)
+
+
+def json_mode() -> bool:
+    """True when the running command was given --json."""
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx and ctx.meta.get(_JSON_KEY))
+
+
+def dumps(value: Any) -> str:
+    """One line of JSON (datetimes and paths included)."""
+    return orjson.dumps(value, default=_default).decode()
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, Path | SecretStr):
+        return str(value)  # a SecretStr prints masked
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def emit(value: dict[str, Any], text: str | None = None, *, err: bool = False) -> None:
+    """Print `value` as one JSON line under --json, else `text` (nothing when text is None)."""
+    if json_mode():
+        click.echo(dumps(value), err=err)
+    elif text is not None:
+        click.echo(text, err=err)
+
+
+def error_object(message: str, *, exit_code: int, type: str = "error") -> dict[str, Any]:  # noqa: A002
+    """The JSON shape of an error under --json."""
+    return {"error": {"message": message, "type": type}, "exit_code": exit_code}
+
+
+def show_error(message: str, *, exit_code: int, type: str = "error", as_json: bool | None = None) -> None:  # noqa: A002
+    """Print an error on stderr: one `error:` line, or one JSON object under --json."""
+    if json_mode() if as_json is None else as_json:
+        click.echo(dumps(error_object(message, exit_code=exit_code, type=type)), err=True)
+    else:
+        click.echo(f"error: {message}", err=True)
+
+
+def fail(message: str, *, code: int = EXIT_ERROR, type: str = "error") -> NoReturn:  # noqa: A002
+    """Print one error and exit with `code`."""
+    show_error(message, exit_code=code, type=type)
+    sys.exit(code)
+
+
+def input_file(path: Path) -> Path:
+    """`path` when it is a readable file, else exit 1 with one line (click's own check exits 2)."""
+    if not path.exists():
+        fail(f"{path}: no such file")
+    if path.is_dir():
+        fail(f"{path}: is a directory, not a JSONL file")
+    return path

@@ -1,0 +1,104 @@
+"""`batchinfer run`: a whole job in this process (submit, infer, export), no broker or server needed.
+
+It takes the file as an argument or the way `vllm run-batch` users type it
+(`batchinfer run -i in.jsonl -o out.jsonl --model M`), and `--errors-in-output` writes the error lines
+into the results file, in input order, as vLLM does (by default they go to a file of their own).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import orjson
+
+from batchinfer.cli.jobs import _metadata, _print_batch, _with_submit_options, exit_code_for
+from batchinfer.cli.output import dumps, fail, input_file, json_option
+from batchinfer.cli.progress import JobProgress
+from batchinfer.cli.result_files import default_errors_path, write_lines
+
+
+@click.command()
+@click.argument("file", required=False, type=click.Path(path_type=Path))  # checked by input_file: exit 1
+@click.option("--input", "-i", "--input-file", "input_path", type=click.Path(path_type=Path),
+              default=None, help="The input JSONL file (instead of FILE, as `vllm run-batch -i`).")
+@click.option("--output", "-o", "--output-file", type=click.Path(dir_okay=False, path_type=Path),
+              required=True, help="Where the results go (OpenAI batch output lines).")
+@click.option("--errors", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where error lines go (default: OUTPUT with .errors before the suffix).")
+@click.option("--errors-in-output", is_flag=True,
+              help="Write error lines into OUTPUT too, in input order (as `vllm run-batch` does).")
+@_with_submit_options
+@click.option("--device", default=None, help="cpu, cuda, cuda:N (default: settings.device).")
+@click.option("--show", type=int, default=0, help="Print the first N results when done.")
+@json_option("Print the final batch object as JSON.")
+def run(file: Path | None, input_path: Path | None, output: Path, errors: Path | None, errors_in_output: bool,
+        model: str | None, shard_size: int | None, priority: int, metadata: tuple[str, ...],
+        idempotency_key: str | None, on_invalid: str, completion_window: str | None, device: str | None,
+        show: int, as_json: bool) -> None:
+    """Run a JSONL file end to end in this process: submit, infer, export (no broker needed)."""
+    from batchinfer.cli.backend import BackendError, LocalBackend
+    from batchinfer.cli.context import cli_settings
+    from workers.process import make_runner, run_job
+
+    if file is not None and input_path is not None and file != input_path:
+        fail(f"two input files given ({file} and -i {input_path}): give one")
+    source = file or input_path
+    if source is None:
+        fail("no input file: give FILE or -i/--input FILE")
+    if errors_in_output and errors is not None:
+        fail("--errors-in-output writes the errors into OUTPUT: drop --errors, or drop --errors-in-output")
+    input_file(source)
+    settings = cli_settings()
+    model = model or settings.default_model
+    backend = LocalBackend(settings)
+    try:
+        batch = backend.submit(source, model=model, shard_size=shard_size, priority=priority,
+                               metadata=_metadata(metadata), idempotency_key=idempotency_key,
+                               on_invalid=on_invalid, completion_window=completion_window)
+    except BackendError as exc:
+        fail(str(exc))
+    if batch["status"] == "in_progress":
+        if not as_json:
+            click.echo(f"{batch['id']}: {batch['request_counts']['total']} requests; loading {model} ...",
+                       err=True)
+        overrides = {"device": device} if device else {}
+        runner = make_runner(model=model, settings=settings, **overrides)
+        counts = batch["request_counts"]
+        with JobProgress(total=counts["total"], done=counts["completed"] + counts["failed"],
+                         enabled=not as_json, label=batch["id"]) as bar:
+            run_job(job_id=int(batch["id"].removeprefix("batch_")), runner=runner, on_progress=bar.advance)
+        batch = backend.get(batch["id"])
+    if errors_in_output:
+        written, failed, errors = write_lines(backend.results(batch["id"], "all"), output), 0, None
+    else:
+        errors = errors or default_errors_path(output)
+        written = write_lines(backend.results(batch["id"], "output"), output)
+        failed = write_lines(backend.results(batch["id"], "errors"), errors)
+    if as_json:
+        click.echo(dumps(batch))
+    else:
+        _print_batch(batch, False)
+        click.echo(f"results: {output} ({written} lines)"
+                   + (f"; errors: {errors} ({failed} lines)" if failed else ""))
+        _show(output, show)
+    sys.exit(exit_code_for(batch))
+
+
+def _show(path: Path, count: int) -> None:
+    if count <= 0 or not path.exists():
+        return
+    with path.open("rb") as lines:
+        for _, raw in zip(range(count), lines, strict=False):
+            line = orjson.loads(raw)
+            if line.get("response") is None:  # an error line (--errors-in-output)
+                click.echo(f"--- {line['custom_id']} (error {line['error']['code']})")
+                click.echo(line["error"]["message"])
+                continue
+            body = line["response"]["body"]
+            choice = body["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            tokens = body["usage"]["completion_tokens"]
+            click.echo(f"--- {line['custom_id']} ({choice['finish_reason']}, {tokens} tokens)")
+            click.echo(text.strip())

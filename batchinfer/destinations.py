@@ -1,0 +1,64 @@
+"""Where a schedule may send things (README "Security"): webhook URLs and schedule file paths.
+
+A schedule runs unattended with the rights of the worker process, so its definition must not turn it
+into a way to reach what its author could not:
+
+- a webhook is http(s) to a public address: loopback, link-local (cloud metadata at 169.254.169.254),
+  private, multicast and reserved addresses are refused unless `webhook_allow_private` (a host name
+  counts by every address it resolves to). Checked at `schedule add` and again before each delivery;
+- input globs and output paths stay inside `schedule_roots` (default: the data dir), checked on the
+  template at `schedule add` and on each rendered path at run time (a date format may hold '..').
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from batchinfer.config import Settings
+
+WEBHOOK_SCHEMES = ("http", "https")
+
+
+class DestinationRefused(ValueError):
+    """A webhook URL or a schedule path that the settings do not allow; the message names the setting."""
+
+
+def check_webhook_url(url: str, *, allow_private: bool) -> None:
+    """Raise DestinationRefused unless `url` is http(s) to a host whose every address is public."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in WEBHOOK_SCHEMES or not parts.hostname:
+        raise DestinationRefused(f"webhook: {url[:200]!r} is not an http:// or https:// URL with a host")
+    if allow_private:
+        return
+    try:
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+        infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+    except (OSError, ValueError) as exc:
+        raise DestinationRefused(f"webhook: cannot resolve the host of {url[:200]!r} ({exc})") from None
+    for info in infos:
+        address = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+        if not address.is_global or address.is_multicast:
+            raise DestinationRefused(
+                f"webhook: {parts.hostname} is {address}, a loopback, link-local, private or reserved "
+                "address; use a public receiver, or set webhook_allow_private = true to allow it")
+
+
+def schedule_roots(settings: Settings) -> list[Path]:
+    """The directories schedule inputs and outputs must stay in: schedule_roots, else the data dir."""
+    roots = settings.schedule_roots or [settings.data_dir]
+    return [Path(root).expanduser().resolve() for root in roots]
+
+
+def check_schedule_path(path: str, roots: Sequence[Path], *, field: str) -> None:
+    """Raise DestinationRefused unless `path` (relative paths from the working directory, symlinks
+    followed, a glob's magic left as it is) lies inside one of `roots`."""
+    resolved = Path(path).expanduser().resolve()
+    if not any(resolved.is_relative_to(root) for root in roots):
+        allowed = ", ".join(str(root) for root in roots)
+        raise DestinationRefused(
+            f"{field}: {path!r} is outside the directories schedules may use ({allowed}); move the files "
+            "there, or add a directory to the schedule_roots setting")

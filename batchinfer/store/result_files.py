@@ -1,0 +1,99 @@
+"""A job's generated result files (`file-out-<job>`, `file-err-<job>`, purpose "batch_output"): which of
+them exist, one page of them for `GET /v1/files`, and deleting one.
+
+They are not stored as files: their lines are the job's result rows (store.export). So deleting one
+deletes the rows it is made of (succeeded requests for the output file, errored and not-run requests for
+the error file) and frees that space; the batch keeps its ids and request_counts, as OpenAI's does, and
+the deleted file answers 404 from then on. A file exists while the job has ended and at least one of its
+rows is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from sqlalchemy import delete, exists, select
+from sqlalchemy.orm import Session
+
+from batchinfer.store.db import write_transaction
+from batchinfer.store.export import EXPORT_STATUSES
+from batchinfer.store.jobs import get_job
+from batchinfer.store.models import JOB_TERMINAL_STATUSES, Job, Request, request_id_for
+
+ResultKind = Literal["output", "error"]
+RESULT_KINDS: tuple[ResultKind, ...] = ("output", "error")  # the order of a job's files in a listing
+_JOBS_PER_QUERY = 500  # a listing reads jobs in keyset windows of this many
+
+
+def _statuses(kind: ResultKind) -> list[str]:
+    return [status.value for status in EXPORT_STATUSES["output" if kind == "output" else "errors"]]
+
+
+def _rows_of(job_id: int, kind: ResultKind):  # noqa: ANN202 - a SQLAlchemy condition
+    """The result rows of `kind` of one job: its primary-key range (store.models.request_id_for)."""
+    return (Request.id > request_id_for(job_id, 0), Request.id < request_id_for(job_id + 1, 0),
+            Request.status.in_(_statuses(kind)))
+
+
+def _counted(job: Job, kind: ResultKind) -> bool:
+    """Whether the job ended with requests of `kind` (rows may have been deleted since)."""
+    if job.status not in JOB_TERMINAL_STATUSES:
+        return False
+    return (job.completed_requests if kind == "output" else job.error_lines) > 0
+
+
+def result_file_exists(session: Session, *, job: Job, kind: ResultKind) -> bool:
+    """Whether the job's output or error file can be read: the job ended with such rows and they are left."""
+    return _counted(job, kind) and bool(session.scalar(select(exists().where(*_rows_of(job.id, kind)))))
+
+
+@dataclass(frozen=True, slots=True)
+class ResultFile:
+    """One generated result file of a listing."""
+
+    job: Job
+    kind: ResultKind
+
+
+def list_result_files(session: Session, *, owner: str, limit: int,
+                      after: tuple[int, ResultKind] | None = None,
+                      order: str = "desc") -> tuple[list[ResultFile], bool]:
+    """One page of the owner's result files by (job id, kind); `after` is the last of the previous page.
+    Returns (files, has_more)."""
+    ascending = order == "asc"
+    kinds = RESULT_KINDS if ascending else RESULT_KINDS[::-1]
+    base = select(Job).where(Job.owner == owner, Job.status.in_(sorted(JOB_TERMINAL_STATUSES)),
+                             (Job.completed_requests > 0) | (Job.failed_requests > 0)
+                             | (Job.total_requests > Job.completed_requests))  # Job.error_lines > 0
+    base = base.order_by(Job.id.asc() if ascending else Job.id.desc()).limit(_JOBS_PER_QUERY)
+    found: list[ResultFile] = []
+    boundary, inclusive = (after[0], True) if after is not None else (None, False)
+    while True:
+        query = base
+        if boundary is not None:
+            query = query.where((Job.id >= boundary if inclusive else Job.id > boundary) if ascending
+                                else (Job.id <= boundary if inclusive else Job.id < boundary))
+        jobs = list(session.scalars(query))
+        for job in jobs:
+            for kind in kinds:
+                if after is not None and job.id == after[0] and kinds.index(kind) <= kinds.index(after[1]):
+                    continue  # the previous page ended with or after this file
+                if result_file_exists(session, job=job, kind=kind):
+                    if len(found) == limit:
+                        return found, True
+                    found.append(ResultFile(job=job, kind=kind))
+        if len(jobs) < _JOBS_PER_QUERY:
+            return found, False
+        boundary, inclusive = jobs[-1].id, False
+
+
+def delete_result_file(session: Session, *, owner: str, job_id: int, kind: ResultKind) -> bool:
+    """Delete a job's output or error file (its result rows); False when the owner has no such file."""
+    job = get_job(session, job_id=job_id, owner=owner)  # a terminal job's rows change no more
+    if job is None or not result_file_exists(session, job=job, kind=kind):
+        return False
+    with write_transaction(session):
+        session.execute(delete(Request).where(*_rows_of(job_id, kind)).execution_options(
+            synchronize_session=False))
+    return True

@@ -1,0 +1,57 @@
+"""The periodic duty loop every deployment shape runs (workers.duties) and beat's task schedule."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from batchinfer.config import Settings
+from workers.app import CONTROL_QUEUE, EXPIRE, RESCUE, SCHEDULE_TICK, beat_schedule
+from workers.duties import Duty, control_duties, start_duties, worker_duties
+
+
+def test_each_duty_runs_at_its_interval_and_a_failing_one_does_not_stop_the_others() -> None:
+    runs = {"fast": 0, "slow": 0, "broken": 0}
+
+    def counter(name: str, fail: bool = False):  # noqa: ANN202
+        def run() -> None:
+            runs[name] += 1
+            if fail:
+                raise RuntimeError("database away")
+        return run
+
+    stop = threading.Event()
+    thread = start_duties([Duty("fast", 0.05, counter("fast")), Duty("slow", 0.3, counter("slow")),
+                           Duty("broken", 0.05, counter("broken", fail=True))], stop=stop)
+    time.sleep(0.7)
+    stop.set()
+    thread.join(timeout=2)
+    assert not thread.is_alive()
+    assert runs["fast"] >= 6 and runs["broken"] >= 6  # the failures did not end the loop
+    assert 2 <= runs["slow"] <= 4  # at once, then every 0.3 s
+
+
+def test_an_aligned_duty_runs_at_wall_clock_multiples_of_its_interval() -> None:
+    tick = Duty("tick", 60.0, lambda: None, aligned=True)
+    assert tick.next_run_after(120.5) == 180.0
+    assert Duty("rescue", 60.0, lambda: None).next_run_after(120.5) == 180.5
+
+
+def test_intervals_come_from_the_settings() -> None:
+    settings = Settings(lease_seconds=8, expiry_sweep_seconds=3, schedule_tick_seconds=2)
+    intervals = {d.name: d.interval_s for d in control_duties(settings)}
+    assert {name: intervals[name] for name in ("rescue", "expiry", "schedule_tick")} == {
+        "rescue": 2.0, "expiry": 3.0, "schedule_tick": 2.0}  # rescue: a quarter of the lease
+    assert [d.name for d in worker_duties(settings)] == ["rescue", "expiry"]
+    assert Settings(rescue_interval_seconds=0.5).effective_rescue_interval_s == 0.5
+
+
+def test_a_separate_celery_beat_sends_every_duty_to_the_control_queue_with_an_expiry() -> None:
+    schedule = beat_schedule(Settings(rescue_interval_seconds=1, expiry_sweep_seconds=4,
+                                      schedule_tick_seconds=9))
+    entries = {entry["task"]: (entry["schedule"], entry["options"]) for entry in schedule.values()}
+    assert {task: entries[task] for task in (RESCUE, EXPIRE, SCHEDULE_TICK)} == {
+        RESCUE: (1, {"queue": CONTROL_QUEUE, "expires": 1}),
+        EXPIRE: (4, {"queue": CONTROL_QUEUE, "expires": 4}),
+        SCHEDULE_TICK: (9, {"queue": CONTROL_QUEUE, "expires": 9}),
+    }

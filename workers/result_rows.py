@@ -1,0 +1,66 @@
+"""The result rows a ShardRunner hands to the store (batchinfer.store.results.apply_results).
+
+A success carries the choices and token counts; an error carries OpenAI's {code, message}, its message
+naming the input line as ingest's errors do (ARCHITECTURE.md, contract 8).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from batchinfer.store.shards import PendingRequest
+
+if TYPE_CHECKING:
+    from batchinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+def error_row(request: PendingRequest, code: str, message: str) -> dict[str, Any]:
+    """A request's error result; its message names the input line, as ingest's errors do (contract 8)."""
+    return {"request_id": request.request_id,
+            "error": {"code": code, "message": f"line {request.line_number}: {message}"}}
+
+
+def result_row(request: PendingRequest, output: RequestOutput, echo: str = "") -> dict[str, Any]:
+    """A finished request's result: its choices (echo prepended to each text) and token counts."""
+    choices = []
+    for completion in output.outputs:
+        choices.append({
+            "index": completion.index,
+            "text": echo + completion.text,
+            "finish_reason": completion.finish_reason,
+            "logprobs": logprobs_object(request, completion),
+        })
+    return {
+        "request_id": request.request_id,
+        "choices": choices,
+        "prompt_tokens": len(output.prompt_token_ids),
+        "completion_tokens": sum(len(c.token_ids) for c in output.outputs),
+        "cached_tokens": output.num_cached_tokens,
+    }
+
+
+def logprobs_object(request: PendingRequest, completion: CompletionOutput) -> dict[str, Any] | None:
+    """OpenAI's logprobs object (chat: a `content` list; completions: parallel lists), or None."""
+    if not completion.logprobs:
+        return None
+    num_top = request.params.logprobs or 0
+    positions = []
+    for token_id, per_position in zip(completion.token_ids, completion.logprobs, strict=False):
+        chosen = per_position.get(token_id)
+        ranked = sorted(per_position.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
+        positions.append((chosen, ranked[:num_top]))
+    if request.endpoint == "chat":
+        return {"content": [{**token_entry(chosen), "top_logprobs": [token_entry(lp) for lp in top]}
+                            for chosen, top in positions]}
+    return {
+        "tokens": [token_entry(chosen)["token"] for chosen, _ in positions],
+        "token_logprobs": [token_entry(chosen)["logprob"] for chosen, _ in positions],
+        "top_logprobs": [{lp.decoded_token or "": lp.logprob for lp in top} for _, top in positions],
+    }
+
+
+def token_entry(logprob: Logprob | None) -> dict[str, Any]:
+    """One token of OpenAI's logprobs content: text, logprob and UTF-8 bytes."""
+    token = (logprob.decoded_token or "") if logprob is not None else ""
+    return {"token": token, "logprob": logprob.logprob if logprob is not None else None,
+            "bytes": list(token.encode())}
