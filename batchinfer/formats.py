@@ -2,20 +2,15 @@
 
 Input, one JSON object per line, either the OpenAI form
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
-or a shorthand {"messages": [...], ...} / {"prompt": "...", ...} with the sampling fields at top level
-(custom_id optional, default "line-<n>"; url implied by messages vs prompt).
+or a shorthand {"messages": [...]} / {"prompt": "..."}, sampling fields at top level, custom_id "line-<n>".
 
-`parse_line` turns a line into a NormalizedRequest (endpoint, messages or prompt, SamplingParams)
-or raises LineError naming the field and the fix. It is the ingest hot path: hand-written checks of
-the OpenAI body, the value checks left to SamplingParams itself, which is built once per distinct set
-of sampling fields and then stored with to_dict (the worker's from_dict does not check it again).
-The structured-output fields (response_format, guided_*, structured_outputs) are read by
-structured_fields.py into the one SamplingParams.structured_outputs.
+`parse_line` turns a line into a NormalizedRequest or raises LineError naming the field and the fix. Hot
+path: value checks left to SamplingParams, built once per distinct set of sampling fields (structured
+output fields: structured_fields.py).
 
-Where the body omits max_tokens the request runs until the model's context is full (OpenAI's rule),
-so params carry max_tokens=None. The body's "model" is kept for the store to route (line_models.py). `echo`,
-`add_generation_prompt` and `chat_template_kwargs` are request options (request_options.py); the
-fields batchinfer knows but does not do are in unsupported_fields.py.
+Without max_tokens a request runs until the context is full (OpenAI), max_tokens=None. body.model is kept
+for the store to route (line_models.py); echo and chat template fields are request_options.py's; the fields
+batchinfer knows but does not do are unsupported_fields.py's; /v1/embeddings bodies embedding_lines.py's.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from batchinfer import request_options, responses_lines
+from batchinfer import embedding_lines, request_options, responses_lines
 from batchinfer.engine.sampling_params import SamplingParams, SamplingParamsError
 from batchinfer.request_options import CHAT_OPTION_FIELDS, COMPLETION_OPTION_FIELDS
 from batchinfer.structured_fields import CONSTRAINT_FIELDS, read_constraint
@@ -40,10 +35,11 @@ class Endpoint(StrEnum):
     CHAT = "chat"
     COMPLETIONS = "completions"
     RESPONSES = "responses"  # text-only /v1/responses: responses_lines.py turns the body into a chat one
+    EMBEDDINGS = "embeddings"  # /v1/embeddings: embedding_lines.py checks the body, options hold the input
 
 
 URL_TO_ENDPOINT = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETIONS,
-                   "/v1/responses": Endpoint.RESPONSES}
+                   "/v1/responses": Endpoint.RESPONSES, "/v1/embeddings": Endpoint.EMBEDDINGS}
 ENDPOINT_TO_URL = {endpoint: url for url, endpoint in URL_TO_ENDPOINT.items()}
 MAX_CUSTOM_ID_CHARS = 512
 MAX_N = 128
@@ -191,6 +187,9 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
     def fail(message: str, param: str, code: str = "invalid_request") -> LineError:
         return LineError(f"{where}{param}: {message}", code=code, param=where + param, custom_id=readable_id)
 
+    if endpoint is Endpoint.EMBEDDINGS:  # no sampling; the input travels in options
+        return NormalizedRequest(custom_id, endpoint, None, None, _EMBEDDING_PARAMS,
+                                 *embedding_lines.read_body(body, fail))
     messages = prompt = None
     if endpoint is Endpoint.RESPONSES:
         body = responses_lines.chat_body(body, fail)
@@ -230,6 +229,7 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
 
 
 _PROMPT_AND_METADATA = frozenset({"messages", "prompt", "metadata"})
+_EMBEDDING_PARAMS = SamplingParams(max_tokens=None)
 _OPTIONS_CACHE: dict[tuple[Endpoint, bytes], SamplingParams | LineError] = {}
 _OPTIONS_CACHE_SIZE = 4096
 

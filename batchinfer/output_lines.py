@@ -13,13 +13,17 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel
 
+from batchinfer.embedding_lines import embedding_list
 from batchinfer.formats import Endpoint
 from batchinfer.responses_lines import response_object
 
 
 def response_body(*, endpoint: str, model: str, request_key: int, created: int, choices: list[dict[str, Any]],
-                  prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """A chat.completion / text_completion from a worker's choices ({text, finish_reason, logprobs})."""
+                  prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+                  embeddings: list[Any] | None = None) -> dict[str, Any]:
+    """A chat.completion / text_completion / response from a worker's choices, or an embedding list."""
+    if endpoint == Endpoint.EMBEDDINGS:
+        return embedding_list(model=model, embeddings=embeddings or [], prompt_tokens=prompt_tokens)
     usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -90,10 +94,19 @@ class ResponseObject(BaseModel):
     usage: dict[str, Any]
 
 
+class EmbeddingList(BaseModel):
+    """A /v1/embeddings line's body (embedding_lines.embedding_list)."""
+
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    model: str
+    usage: dict[str, int]
+
+
 class BatchResponse(BaseModel):
     status_code: int
     request_id: str
-    body: ResponseBody | ResponseObject
+    body: ResponseBody | ResponseObject | EmbeddingList
 
 
 class BatchError(BaseModel):

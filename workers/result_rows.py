@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from batchinfer.embedding_lines import encode
 from batchinfer.store.shards import PendingRequest
 
 if TYPE_CHECKING:
@@ -37,6 +38,13 @@ def result_row(request: PendingRequest, output: RequestOutput, echo: str = "") -
         "completion_tokens": sum(len(c.token_ids) for c in output.outputs),
         "cached_tokens": output.num_cached_tokens,
     }
+
+
+def embedding_row(request: PendingRequest, vectors: list[list[float]], tokens: int,
+                  encoding_format: str) -> dict[str, Any]:
+    """An embeddings request's result: one embedding per input (floats or base64) and the tokens read."""
+    return {"request_id": request.request_id, "embeddings": [encode(v, encoding_format) for v in vectors],
+            "prompt_tokens": tokens, "completion_tokens": 0, "cached_tokens": 0}
 
 
 def logprobs_object(request: PendingRequest, completion: CompletionOutput) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ from batchinfer.store.errors import LeaseLost
 from batchinfer.store.models import ShardStatus
 from batchinfer.store.shards import PendingRequest, ShardLease
 from workers.metrics import WorkerMetrics
-from workers.result_rows import error_row, result_row
+from workers.result_rows import embedding_row, error_row, result_row
 
 if TYPE_CHECKING:
     from batchinfer.engine.llm_engine import Engine
@@ -94,6 +95,8 @@ class ShardRunner:
         self.max_shards_in_flight = max(2, max_shards_in_flight)
         self._flights: dict[int, _Flight] = {}
         self._submitted: dict[str, _Submitted] = {}
+        # Embedding requests (shard id, request), run one per loop turn so leases keep being checked.
+        self._embeddings: deque[tuple[int, PendingRequest]] = deque()
         self._last_flush = time.monotonic()
         self._next_claim_at = 0.0
         self._last_worker_beat = time.monotonic()
@@ -121,6 +124,7 @@ class ShardRunner:
             except Exception as exc:  # one bad request must not take the worker down
                 logger.exception("engine step failed; isolating the culprit")
                 outputs = self._isolate_failure(exc)
+            self._run_one_embedding(stats)
             tokens = 0
             for output in outputs:
                 tokens += self._collect(output, stats)
@@ -176,6 +180,10 @@ class ShardRunner:
 
     def _submit(self, flight: _Flight, request: PendingRequest) -> None:
         engine_id = str(request.request_id)
+        if request.endpoint == "embeddings":  # a plain forward per input, outside the generation batch
+            flight.outstanding.add(engine_id)
+            self._embeddings.append((flight.lease.shard_id, request))
+            return
         try:  # request.params was validated at ingest; the engine still checks it against this model
             prompt = self._prompt(request)
             salt = self._cache_salt(flight.lease)
@@ -185,6 +193,26 @@ class ShardRunner:
             return
         flight.outstanding.add(engine_id)
         self._submitted[engine_id] = _Submitted(flight.lease.shard_id, request, prompt, salt)
+
+    def _run_one_embedding(self, stats: RunStats) -> None:
+        while self._embeddings:
+            shard_id, request = self._embeddings.popleft()
+            flight, engine_id = self._flights.get(shard_id), str(request.request_id)
+            if flight is None or engine_id not in flight.outstanding:
+                continue  # its shard was released or dropped meanwhile
+            flight.buffered.append(self._embed(request))
+            flight.outstanding.discard(engine_id)
+            stats.requests_finished += 1
+            return
+
+    def _embed(self, request: PendingRequest) -> dict[str, Any]:
+        options = request.options or {}
+        try:
+            vectors, tokens = self.engine.embed(options["input"])
+        except (ValueError, TypeError) as exc:
+            return error_row(request, "invalid_request", str(exc))
+        return {**embedding_row(request, vectors, tokens, options.get("encoding_format", "float")),
+                "model": self.model}
 
     def _cache_salt(self, lease: ShardLease) -> str | None:
         """The job owner salts the prefix cache (no cross-tenant hits, README "Security"), unless global."""

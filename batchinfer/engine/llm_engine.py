@@ -216,6 +216,18 @@ class Engine:
             raise ValueError("prompt: must not be empty")
         return token_ids
 
+    def embed(self, inputs: list[str | list[int]]) -> tuple[list[list[float]], int]:
+        """(each input's normalised mean-pooled embedding, tokens read); outside the generation batch."""
+        embed = getattr(self.model_runner, "embed", None)
+        if embed is None:
+            raise ValueError("embeddings need tensor_parallel_size=1 on this worker")
+        token_id_lists = [self.tokenize(text) for text in inputs]
+        for i, ids in enumerate(token_id_lists):
+            if len(ids) > self.max_model_len:
+                raise ValueError(f"input[{i}]: {len(ids)} tokens exceed the model's context "
+                                 f"(max_model_len={self.max_model_len}); shorten the input")
+        return embed(token_id_lists), sum(map(len, token_id_lists))
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; returns its final output (None if unknown)."""
         request = self._requests.get(request_id)

@@ -269,6 +269,25 @@ class ModelRunner:
             hidden = hidden.index_select(0, batch.logits_indices)
         return self.model.compute_logits(hidden).float()
 
+    @torch.inference_mode()
+    def embed(self, token_id_lists: Sequence[list[int]]) -> list[list[float]]:
+        """Each input's last hidden state (after the final norm), mean-pooled over its tokens, L2-normalised.
+
+        A plain causal forward per input: the KV cache, block tables and prefix cache are not touched.
+        """
+        empty = torch.empty(0, dtype=torch.int32, device=self.device)
+        out = []
+        for ids in token_id_lists:
+            set_context(AttentionContext(empty, empty, empty, empty, len(ids), len(ids), "dense"))
+            try:
+                input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+                hidden = self.model(input_ids, torch.arange(len(ids), device=self.device))
+            finally:
+                set_context(None)
+            pooled = hidden.float().mean(dim=0)
+            out.append(torch.nn.functional.normalize(pooled, dim=0).tolist())
+        return out
+
     # --- CUDA graphs ----------------------------------------------------------------------------------
 
     def _graph_sizes(self) -> list[int]:

@@ -55,7 +55,8 @@ def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], 
             continue
         body = response_body(endpoint=endpoint, model=result.get("model") or job.model,
                              request_key=request_id, created=created,
-                             choices=result["choices"], prompt_tokens=result["prompt_tokens"],
+                             choices=result.get("choices", []), embeddings=result.get("embeddings"),
+                             prompt_tokens=result["prompt_tokens"],
                              completion_tokens=result["completion_tokens"],
                              cached_tokens=result["cached_tokens"])
         succeeded.append({"rid": request_id, "response": orjson.dumps(body).decode(),
@@ -91,7 +92,10 @@ def _check_result(result: dict[str, Any]) -> None:
         if not (isinstance(error, dict) and "code" in error and "message" in error):
             raise ValueError(f"request {rid}: error must be {{code, message}}, got {error!r}")
         return
-    choices = result.get("choices")
+    embeddings = result.get("embeddings")
+    if embeddings is not None and not (isinstance(embeddings, list) and embeddings):
+        raise ValueError(f"request {rid}: embeddings must be a non-empty list")
+    choices = result.get("choices") if embeddings is None else [{"text": "", "finish_reason": None}]
     if not (isinstance(choices, list) and choices
             and all(isinstance(c, dict) and isinstance(c.get("text"), str) and "finish_reason" in c
                     for c in choices)):

@@ -119,7 +119,7 @@ def test_lines_must_match_the_batch_endpoint(client, auth):
 @pytest.mark.parametrize(("body", "status", "param", "says"), [
     ({"input_file_id": "file-424242"}, 404, "input_file_id", "file-424242"),
     ({"input_file_id": "garbage"}, 404, "input_file_id", "no such file"),
-    ({"endpoint": "/v1/embeddings"}, 400, "endpoint", "unsupported endpoint"),
+    ({"endpoint": "/v1/moderations"}, 400, "endpoint", "unsupported endpoint"),
     ({"completion_window": "soon"}, 400, "completion_window", "completion_window"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata", "16"),
     ({"metadata": {"k": "v" * 600}}, 400, "metadata", "512"),

@@ -46,8 +46,8 @@ CORPUS: list[tuple[bytes, tuple[str, str] | None]] = [
     (b"[1, 2, 3]", ("invalid_json", "expected a JSON object, got an array")),
     (env(123, {"messages": USER}), ("invalid_request", "custom_id must be a string")),  # type: ignore[arg-type]
     (env("no-messages", {"model": "m"}), ("missing_required_parameter", "body.messages: missing")),
-    (env("bad-url", {"messages": USER}, url="/v1/embeddings"),
-     ("invalid_url", "'/v1/embeddings' is not supported")),
+    (env("bad-url", {"messages": USER}, url="/v1/moderations"),
+     ("invalid_url", "'/v1/moderations' is not supported")),
     (env("bad-method", {"messages": USER}, method="GET"), ("invalid_method", 'method must be "POST"')),
     (chat("neg-max", max_tokens=-5), ("invalid_value", "body.max_tokens: must be >= 1")),
     (chat("hot", temperature=3.5), ("invalid_request", "body.temperature: must be between 0 and 2")),

@@ -99,7 +99,11 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (rotated) -> attention output [T, H * D]."""
         ctx = get_context()
-        if ctx.backend == "triton":
+        if ctx.backend == "dense":  # one sequence, no KV cache (ModelRunner.embed)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               is_causal=True, scale=self.scale,
+                                               enable_gqa=self.num_heads != self.num_kv_heads).transpose(0, 1)
+        elif ctx.backend == "triton":
             import kernels
 
             kernels.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
