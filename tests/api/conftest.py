@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from batchinfer.api.app import create_app
 from batchinfer.config import Settings
-from batchinfer.store.apikeys import create_key
 from batchinfer.store.db import session_factory, upgrade
+from tests.api.helpers import key_maker
 
 TEST_MODEL = "fixed-output-model"  # served by tests.api.helpers.FixedOutputWorker
 
@@ -62,12 +62,7 @@ def client(app: FastAPI) -> Iterator[TestClient]:
 def make_key(factory: sessionmaker[Session]) -> Callable[..., tuple[str, int]]:
     """Create an API key: make_key(name, owner=None) -> (plaintext, key id)."""
 
-    def make(name: str, owner: str | None = None) -> tuple[str, int]:
-        with factory() as session:
-            plaintext, row = create_key(session, name=name, owner=owner)
-            return plaintext, row.id
-
-    return make
+    return key_maker(factory)
 
 
 @pytest.fixture

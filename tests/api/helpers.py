@@ -97,3 +97,15 @@ class FixedOutputWorker:
                                   results=[result])
                     self.done_requests += 1
                 complete_shard(session, shard_id=lease.shard_id, lease_token=lease.lease_token)
+
+
+def key_maker(factory: Any) -> Any:
+    """make(name, owner=None) -> (plaintext, key id): creates API keys in `factory`'s database."""
+    from batchinfer.store.apikeys import create_key
+
+    def make(name: str, owner: str | None = None) -> tuple[str, int]:
+        with factory() as session:
+            plaintext, row = create_key(session, name=name, owner=owner)
+            return plaintext, row.id
+
+    return make

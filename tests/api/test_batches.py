@@ -284,3 +284,13 @@ def test_polls_refresh_last_used_at_once_then_read_without_writing(client, facto
         assert client.get(f"/v1/batches/{batch['id']}", headers=auth).status_code == 200
     with factory() as session:
         assert session.scalar(select(ApiKey.last_used_at).where(ApiKey.id == key_id)) == first_use
+
+
+def test_an_embeddings_batch_is_accepted_and_its_lines_validated(client, auth):
+    lines = [orjson.dumps({"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+                           "body": {"input": [f"text {i}", "more"]}}) for i in range(3)]
+    lines.append(orjson.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+                               "body": {"input": "x", "dimensions": 8}}))
+    batch = create(client, auth, upload(client, auth, jsonl(lines)), endpoint="/v1/embeddings")
+    assert batch["endpoint"] == "/v1/embeddings" and batch["status"] == "in_progress", batch
+    assert batch["request_counts"] == {"total": 4, "completed": 0, "failed": 1}

@@ -13,10 +13,9 @@ from batchinfer.cli.api_cmd import api
 from batchinfer.cli.apikey_cmd import apikey
 from batchinfer.cli.remote import RemoteClient, RemoteError
 from batchinfer.config import Settings
-from batchinfer.store.apikeys import create_key
 from batchinfer.store.db import session_factory, upgrade
 from tests.api.conftest import TEST_MODEL, make_settings
-from tests.api.helpers import FixedOutputWorker, chat_line, completion_line, jsonl, serve
+from tests.api.helpers import FixedOutputWorker, chat_line, completion_line, jsonl, key_maker, serve
 
 
 @pytest.fixture
@@ -36,12 +35,7 @@ def factory(api_settings: Settings):
 def make_key(factory):
     """Create an API key: make_key(name, owner=None) -> (plaintext, key id)."""
 
-    def make(name: str, owner: str | None = None) -> tuple[str, int]:
-        with factory() as session:
-            plaintext, row = create_key(session, name=name, owner=owner)
-            return plaintext, row.id
-
-    return make
+    return key_maker(factory)
 
 
 @pytest.fixture

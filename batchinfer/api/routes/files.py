@@ -53,13 +53,19 @@ async def upload_file(request: Request, owner: OwnerDep, settings: SettingsDep,
                       sessions: SessionsDep) -> dict[str, Any]:
     """Stream a multipart upload (fields `file`, `purpose=batch`) to storage; returns the File object."""
     upload = await receive_upload(request, settings)
+    return file_object(await store_upload(sessions, owner, upload, settings))
+
+
+async def store_upload(sessions: sessionmaker[Session], owner: str, upload: Upload,
+                       settings: Settings) -> Any:
+    """Register a received upload as the owner's file (its staged bytes are removed if that fails)."""
     try:
         row = await run_in_threadpool(register_upload, sessions, owner, upload, settings)
     except BaseException:
         upload.staged.tmp_path.unlink(missing_ok=True)
         raise
     metrics.UPLOADED_BYTES.inc(upload.staged.size)
-    return file_object(row)
+    return row
 
 
 def register_upload(sessions: sessionmaker[Session], owner: str, upload: Upload, settings: Settings) -> Any:

@@ -18,11 +18,10 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from batchinfer.api import metrics
 from batchinfer.api.deps import SessionsDep, SettingsDep
 from batchinfer.api.errors import APIError
 from batchinfer.api.routes.batches import cancel_batch, create_batch
-from batchinfer.api.routes.files import file_content, register_upload
+from batchinfer.api.routes.files import file_content, store_upload
 from batchinfer.api.schemas import CreateBatchRequest
 from batchinfer.api.ui.auth import (
     LOGIN_PATH,
@@ -133,12 +132,7 @@ async def upload(request: Request, caller: UiCallerDep, settings: SettingsDep,
     owner = await read_as_ui(caller, lambda _, o: o)
     try:
         received = await receive_upload(request, settings)
-        try:
-            row = await run_in_threadpool(register_upload, sessions, owner, received, settings)
-        except BaseException:
-            received.staged.tmp_path.unlink(missing_ok=True)
-            raise
-        metrics.UPLOADED_BYTES.inc(received.staged.size)
+        row = await store_upload(sessions, owner, received, settings)
         body = CreateBatchRequest(input_file_id=row.file_id, endpoint=None,
                                   completion_window=received.fields.get("completion_window") or "24h",
                                   model=received.fields.get("model", "").strip() or None)
