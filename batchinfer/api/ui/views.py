@@ -126,7 +126,8 @@ def timeline_view(session: Session, job: Job) -> dict[str, Any]:
     for point in points:
         at.append(point.end)
         rates.append(point.tokens_per_second)
-    return {"at": [round(t, 3) for t in at], "tokens_per_second": rates,
+    # Microseconds: a running job's last bucket can be a few ms wide, and rate x width must give its tokens.
+    return {"at": [round(t, 6) for t in at], "tokens_per_second": rates,
             "final": job.status in JOB_TERMINAL_STATUSES}
 
 
