@@ -51,7 +51,7 @@ SAMPLING_FIELDS = frozenset({
     # vLLM extras
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
     "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens", "bad_words",
-    "allowed_token_ids", "truncate_prompt_tokens", "logit_bias",
+    "allowed_token_ids", "truncate_prompt_tokens", "logit_bias", "prompt_logprobs",
     "structured_outputs",  # structured output; the other fields asking for it: structured_fields.py
 })  # fmt: skip
 CHAT_ONLY_FIELDS = CHAT_OPTION_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}

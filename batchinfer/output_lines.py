@@ -20,8 +20,13 @@ from batchinfer.responses_lines import response_object
 
 def response_body(*, endpoint: str, model: str, request_key: int, created: int, choices: list[dict[str, Any]],
                   prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                  embeddings: list[Any] | None = None) -> dict[str, Any]:
-    """A chat.completion / text_completion / response from a worker's choices, or an embedding list."""
+                  embeddings: list[Any] | None = None,
+                  prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
+    """A chat.completion / text_completion / response from a worker's choices, or an embedding list.
+
+    prompt_logprobs (vLLM's field, when the line asked for it) goes where vLLM puts it: on the chat
+    completion, and on each choice of a text completion.
+    """
     if endpoint == Endpoint.EMBEDDINGS:
         return embedding_list(model=model, embeddings=embeddings or [], prompt_tokens=prompt_tokens)
     usage = {
@@ -38,10 +43,16 @@ def response_body(*, endpoint: str, model: str, request_key: int, created: int, 
         out_choices = [{"index": c.get("index", i), "message": {"role": "assistant", "content": c["text"]},
                         "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]}
                        for i, c in enumerate(choices)]
-        return {"id": f"chatcmpl-batch-{request_key}", "object": "chat.completion", "created": created,
+        body = {"id": f"chatcmpl-batch-{request_key}", "object": "chat.completion", "created": created,
                 "model": model, "choices": out_choices, "usage": usage}
+        if prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs
+        return body
     out_choices = [{"index": c.get("index", i), "text": c["text"], "logprobs": c.get("logprobs"),
                     "finish_reason": c["finish_reason"]} for i, c in enumerate(choices)]
+    if prompt_logprobs is not None:
+        for choice in out_choices:
+            choice["prompt_logprobs"] = prompt_logprobs
     return {"id": f"cmpl-batch-{request_key}", "object": "text_completion", "created": created,
             "model": model, "choices": out_choices, "usage": usage}
 
@@ -80,6 +91,7 @@ class ResponseBody(BaseModel):
     model: str
     choices: list[dict[str, Any]]
     usage: Usage
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # chat lines that asked (vLLM)
 
 
 class ResponseObject(BaseModel):

@@ -88,6 +88,13 @@ class RequestBudget:
                          f"a request may use, {self.max_kv_tokens} tokens ({self.kv_source}); "
                          "lower n or max_tokens",
                          "max_tokens", request)
+        if params.prompt_logprobs is not None:
+            entries = prompt * (1 + params.prompt_logprobs)
+            if entries > self.max_logprobs:
+                raise _error(f"prompt (about {prompt} tokens) x (1 + prompt_logprobs "
+                             f"({params.prompt_logprobs})) = {entries} logprob entries exceeds "
+                             f"{self.max_logprobs} (max_request_logprobs); lower prompt_logprobs or shorten "
+                             "the prompt", "prompt_logprobs", request)
         if params.logprobs is not None:
             entries = params.n * generated * (1 + params.logprobs)
             if entries > self.max_logprobs:

@@ -12,7 +12,7 @@ NOT_SUPPORTED_FIELDS = {
     **dict.fromkeys(("audio", "modalities"), "audio output"),
     "prediction": "predicted outputs", "web_search_options": "web search",
     "reasoning_effort": "reasoning effort", "verbosity": "verbosity", "stream_options": "streaming",
-    "suffix": "suffix (insertion)", "best_of": "best_of", "prompt_logprobs": "prompt_logprobs",
+    "suffix": "suffix (insertion)", "best_of": "best_of",
     **dict.fromkeys(("chat_template", "continue_final_message", "add_special_tokens", "documents",
                      "mm_processor_kwargs", "use_beam_search", "length_penalty"), "this vLLM field"),
 }  # fmt: skip

@@ -31,13 +31,24 @@ def result_row(request: PendingRequest, output: RequestOutput, echo: str = "") -
             "finish_reason": completion.finish_reason,
             "logprobs": logprobs_object(request, completion),
         })
-    return {
+    row = {
         "request_id": request.request_id,
         "choices": choices,
         "prompt_tokens": len(output.prompt_token_ids),
         "completion_tokens": sum(len(c.token_ids) for c in output.outputs),
         "cached_tokens": output.num_cached_tokens,
     }
+    if output.prompt_logprobs is not None:
+        row["prompt_logprobs"] = prompt_logprobs_list(output.prompt_logprobs)
+    return row
+
+
+def prompt_logprobs_list(entries: list[dict[int, Logprob] | None]) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs JSON: per prompt token null or {token id: {logprob, rank, decoded_token}}."""
+    return [None if entry is None else
+            {str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token_id, lp in entry.items()}
+            for entry in entries]
 
 
 def embedding_row(request: PendingRequest, vectors: list[list[float]], tokens: int,

@@ -127,8 +127,8 @@ def all_reduce_min_int(value: int, device: torch.device) -> int:
 class StepChannel:
     """Rank 0 -> workers: one step's batch layout as flat int32 arrays in shared memory, plus an Event each.
 
-    Layout (int32): [cmd, S, T, B] then per sequence (num_computed_tokens, num_new, num_blocks) [3S],
-    the new token ids [T], and the sequences' block tables concatenated [B].
+    Layout (int32): [cmd, S, T, B] then per sequence (num_computed_tokens, num_new, num_blocks,
+    logits_count) [4S], the new token ids [T], and the sequences' block tables concatenated [B].
     """
 
     def __init__(self, capacity_words: int, events: list[Any], name: str | None = None) -> None:
@@ -143,13 +143,13 @@ class StepChannel:
         """The shared-memory segment's name (workers attach by it)."""
         return self.shm.name
 
-    def send_step(self, scheduled: list[tuple[Any, int]]) -> None:
-        """Rank 0: publish a step (list of (seq, num_new)) to every worker."""
+    def send_step(self, scheduled: list[tuple[Any, int]], logits_counts: list[int] | None = None) -> None:
+        """Rank 0: publish a step (list of (seq, num_new), and the logits asked per entry) to every worker."""
         start = time.perf_counter()
         meta: list[int] = []
         tokens: list[int] = []
         blocks: list[int] = []
-        for seq, num_new in scheduled:
+        for i, (seq, num_new) in enumerate(scheduled):
             begin = seq.num_computed_tokens
             if num_new < 1 or begin + num_new > len(seq.token_ids):
                 # Fail here, before the workers enter the forward and wait on a collective rank 0 never joins.
@@ -157,7 +157,7 @@ class StepChannel:
                     f"scheduled {num_new} tokens from position {begin} of a sequence with "
                     f"{len(seq.token_ids)} tokens: need 1 <= n <= len(token_ids) - num_computed_tokens"
                 )
-            meta += (begin, num_new, len(seq.block_table))
+            meta += (begin, num_new, len(seq.block_table), 1 if logits_counts is None else logits_counts[i])
             tokens += seq.token_ids[begin : begin + num_new]
             blocks += seq.block_table
         total = _HEADER + len(meta) + len(tokens) + len(blocks)
@@ -180,8 +180,8 @@ class StepChannel:
         for event in self.events:
             event.set()
 
-    def receive(self, event: Any) -> list[tuple[Any, int]] | None:
-        """Worker: wait for the next step; its (stand-in sequence, num_new) list, or None on exit."""
+    def receive(self, event: Any) -> tuple[list[tuple[Any, int]], list[int]] | None:
+        """Worker: wait for the next step; (stand-in sequence, num_new) list and logits counts, or None."""
         event.wait()
         event.clear()
         w = self.words
@@ -189,21 +189,22 @@ class StepChannel:
         if cmd == CMD_EXIT:
             return None
         offset = _HEADER
-        meta = w[offset : offset + 3 * num_seqs].tolist()
-        offset += 3 * num_seqs
+        meta = w[offset : offset + 4 * num_seqs].tolist()
+        offset += 4 * num_seqs
         tokens = w[offset : offset + num_tokens].tolist()
         offset += num_tokens
         blocks = w[offset : offset + num_blocks].tolist()
-        scheduled = []
+        scheduled, counts = [], []
         token_at = block_at = 0
         for i in range(num_seqs):
-            begin, num_new, nb = meta[3 * i : 3 * i + 3]
+            begin, num_new, nb, count = meta[4 * i : 4 * i + 4]
+            counts.append(count)
             window = _TokenWindow(begin, tokens[token_at : token_at + num_new])
             seq = StepSequence(window, begin, blocks[block_at : block_at + nb])
             scheduled.append((seq, num_new))
             token_at += num_new
             block_at += nb
-        return scheduled
+        return scheduled, counts
 
     def close(self) -> None:
         """Detach (and, on rank 0, remove) the shared-memory segment."""

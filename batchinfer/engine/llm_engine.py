@@ -18,7 +18,9 @@ import logging
 import time
 from collections.abc import Set as AbstractSet
 from concurrent.futures import FIRST_COMPLETED, wait
+from itertools import accumulate
 
+from batchinfer.engine import prompt_logprobs
 from batchinfer.engine.block_manager import BlockManager, cdiv
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.detokenizer import IncrementalDetokenizer
@@ -74,6 +76,7 @@ class Engine:
         self._ttfts: list[float] = []
         self._itls: list[float] = []
         self.grammar_backend: GrammarBackend | None = None  # made by the first constrained request
+        self._prompt_logprob_requests: set[str] = set()  # whose prompt logprobs are still being computed
         self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests still compiling, in order
 
     def close(self) -> None:
@@ -147,6 +150,8 @@ class Engine:
                 seq.grammar = GrammarState(compiled)
         text = prompt if isinstance(prompt, str) else None
         group = self._requests[request_id] = SequenceGroup(request_id, text, prompt_token_ids, seqs, arrival)
+        if seqs[0].needs_prompt_logprobs:
+            self._prompt_logprob_requests.add(request_id)
         if compiled is None or compiled.done():
             self._queue(group)
         else:
@@ -191,6 +196,7 @@ class Engine:
             seq.status = SequenceStatus.FINISHED_ABORTED
             seq.finished_time = now
         self._requests.pop(group.request_id, None)
+        self._prompt_logprob_requests.discard(group.request_id)
         output = make_request_output(group)
         self.recorder.record_finished(output)
         return output
@@ -237,6 +243,7 @@ class Engine:
             self._awaiting_grammar = [group for group in self._awaiting_grammar if group is not request]
             return self._finish_unqueued(request)
         del self._requests[request_id]
+        self._prompt_logprob_requests.discard(request_id)
         now = time.time()
         for seq in request.seqs:
             if not seq.is_finished:
@@ -270,7 +277,9 @@ class Engine:
             return outputs  # or everything runnable was preempted this step; it is readmitted on the next
         recorder.num_steps += 1
         scheduled_time = time.time()
-        logits = self.model_runner.execute_model(scheduled)
+        counts = prompt_logprobs.logits_counts(scheduled) if self._prompt_logprob_requests else None
+        logits = self.model_runner.execute_model(scheduled, counts)
+        ends = None if counts is None else list(accumulate(counts))  # entry i's logits end at row ends[i]
 
         rows: list[int] = []
         prompt_tokens = 0
@@ -281,6 +290,10 @@ class Engine:
             end = start + num_new
             if start < seq.num_prompt_tokens:
                 prompt_tokens += min(end, seq.num_prompt_tokens) - start
+            if ends is not None and seq.needs_prompt_logprobs:
+                prompt_logprobs.collect(seq, start, logits[ends[row] - num_new : ends[row]], self.tokenizer)
+                if not seq.needs_prompt_logprobs:
+                    self._prompt_logprob_requests.discard(seq.request_id)
             seq.num_computed_tokens = end
             if end == len(seq.token_ids):  # the chunk reached the end: sample
                 rows.append(row)
@@ -290,8 +303,11 @@ class Engine:
             seqs = [scheduled[row][0] for row in rows]
             grammar = self._grammar_mask(seqs) if self.grammar_backend is not None else None
             # A decode step samples every row: skip the [rows, vocab] gather copy (tens of MB at vocab 49k).
-            sampled = self.sampler(logits if len(rows) == len(scheduled) else logits[rows], seqs,
-                                   self.eos_token_ids, grammar)
+            if ends is not None:
+                logits = logits[[ends[row] - 1 for row in rows]]
+            elif len(rows) != len(scheduled):
+                logits = logits[rows]
+            sampled = self.sampler(logits, seqs, self.eos_token_ids, grammar)
             now = time.time()  # the tokens exist from here: first-token, inter-token and finish times
             for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
                 self._append_token(seq, token_id, logprobs, now)

@@ -106,11 +106,7 @@ class ModelRunner:
             self.attention_backend == "torch" and self.device.type == "cpu" and self.dtype == torch.float32
             and cpu_attention.load() is not None
         )
-        model_cls = get_model_class(self.hf_config)
-        with _default_dtype(self.dtype), torch.device(self.device):
-            self.model = model_cls(self.hf_config, self.max_model_len)
-        load_weights(self.model, self.model_path)
-        self.model.eval()
+        self.model = self._build_model()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
@@ -135,6 +131,14 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
             self._capture_cudagraphs()
+
+    def _build_model(self) -> torch.nn.Module:
+        """The model with its weights loaded, on this runner's device and dtype (a stage overrides it)."""
+        model_cls = get_model_class(self.hf_config)
+        with _default_dtype(self.dtype), torch.device(self.device):
+            model = model_cls(self.hf_config, self.max_model_len)
+        load_weights(model, self.model_path)
+        return model.eval()
 
     def close(self) -> None:
         """Nothing outlives a step on one rank (ModelRunnerProtocol's close)."""
@@ -186,7 +190,9 @@ class ModelRunner:
 
     # --- one step -------------------------------------------------------------------------------------
 
-    def _prepare(self, scheduled: Sequence[tuple[Any, int]]) -> _StepBatch:
+    def _prepare(
+        self, scheduled: Sequence[tuple[Any, int]], logits_counts: Sequence[int] | None = None
+    ) -> _StepBatch:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -223,6 +229,8 @@ class ModelRunner:
         cu_seqlens_q = torch.zeros(num_seqs + 1, dtype=torch.int32)
         torch.cumsum(q_lens_t, 0, out=cu_seqlens_q[1:])
         logits_indices = cu_seqlens_q[1:].long() - 1
+        if logits_counts is not None:
+            logits_indices = _last_positions(logits_indices, logits_counts, q_lens)
         device = self.device
         plan = None
         if self.attention_backend == "torch":
@@ -252,11 +260,17 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute_model(self, scheduled: Sequence[tuple[Any, int]]) -> torch.Tensor:
-        """Run one step; float32 logits [len(scheduled), vocab] of each entry's last scheduled token."""
+    def execute_model(
+        self, scheduled: Sequence[tuple[Any, int]], logits_counts: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Run one step; float32 logits of each entry's last scheduled token.
+
+        logits_counts[i] (default 1 each) asks for the logits of entry i's last c scheduled tokens instead:
+        the rows come back in batch order, entry by entry, [sum(logits_counts), vocab].
+        """
         if not scheduled:
             return torch.empty(0, self.hf_config.vocab_size, dtype=torch.float32, device=self.device)
-        batch = self._prepare(scheduled)
+        batch = self._prepare(scheduled, logits_counts)
         graph_size = self._graph_size(batch)
         if graph_size is not None:
             hidden = self._replay_graph(batch, graph_size)
@@ -360,6 +374,19 @@ class ModelRunner:
         s["block_tables"][n:size] = 0
         self._graphs[size].replay()
         return s["hidden"][:n]
+
+
+def _last_positions(last: torch.Tensor, counts: Sequence[int], q_lens: list[int]) -> torch.Tensor:
+    """Flat token indices of each entry's last counts[i] tokens, entry by entry ([sum(counts)] int64)."""
+    if len(counts) != len(q_lens):
+        raise ValueError(f"logits_counts has {len(counts)} entries for a step of {len(q_lens)} sequences")
+    for count, q_len in zip(counts, q_lens, strict=True):
+        if not 1 <= count <= q_len:
+            raise ValueError(f"logits_counts: {count} logits asked of an entry of {q_len} scheduled tokens")
+    counts_t = torch.tensor(counts, dtype=torch.long)
+    ends = torch.repeat_interleave(last + 1, counts_t)
+    offsets = torch.arange(int(counts_t.sum())) - torch.repeat_interleave(torch.cumsum(counts_t, 0), counts_t)
+    return ends + offsets
 
 
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

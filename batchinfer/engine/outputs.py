@@ -54,6 +54,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # vLLM's prompt_logprobs: per prompt token (the first is None) its logprob and the top N, if asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,6 +100,7 @@ def make_request_output(group: SequenceGroup) -> RequestOutput:
         outputs=outputs,
         finished=all(s.is_finished for s in seqs),
         num_cached_tokens=seqs[0].num_cached_tokens or 0,
+        prompt_logprobs=None if seqs[0].prompt_logprobs is None else list(seqs[0].prompt_logprobs),
         metrics=RequestMetrics(
             arrival_time=group.arrival_time,
             first_scheduled_time=min(

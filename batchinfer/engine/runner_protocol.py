@@ -26,8 +26,13 @@ class ModelRunnerProtocol(Protocol):
         """Where the logits come back (the sampler works there)."""
         ...
 
-    def execute_model(self, scheduled: Sequence[tuple[Any, int]]) -> torch.Tensor:
-        """Run one step of (sequence, new tokens); float32 logits [len(scheduled), vocab]."""
+    def execute_model(
+        self, scheduled: Sequence[tuple[Any, int]], logits_counts: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Run one step of (sequence, new tokens); float32 logits [sum(logits_counts), vocab].
+
+        logits_counts[i]: the logits of entry i's last c scheduled tokens (default 1 each), entry by entry.
+        """
         ...
 
     def close(self) -> None:

@@ -134,7 +134,7 @@ class Sampler:
         if raw_logprobs is not None:
             for row, figures in zip(
                 want_logprobs,
-                _gather_logprobs(
+                gather_logprobs(
                     raw_logprobs, token_ids[want_logprobs], [params[i].logprobs for i in want_logprobs]
                 ),
                 strict=True,
@@ -248,9 +248,10 @@ def _bin_counts(token_lists: list[list[int]], vocab: int, device: torch.device) 
     return counts[:, :vocab]
 
 
-def _gather_logprobs(
+def gather_logprobs(
     raw: torch.Tensor, sampled: torch.Tensor, wanted: list[int | None]
 ) -> list[SampleLogprobs]:
+    """Per row of the raw log-softmax: the chosen token's logprob and rank, and the row's top wanted[i]."""
     token_logprob = raw.gather(1, sampled.unsqueeze(1))
     ranks = ((raw > token_logprob).sum(dim=1) + 1).tolist()
     num_top = max(n or 0 for n in wanted)

@@ -56,6 +56,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = until the context (max_model_len) is full
     min_tokens: int = 0  # EOS, stop token ids and stop strings are ignored before this many tokens
     logprobs: int | None = None  # None = none; N = the sampled token's logprob plus the top N
+    # vLLM: per prompt token (the first gets None), its logprob plus the top N, from the raw logits; the
+    # prompt is then computed in full (no prefix-cache hit) so that every position's logits exist.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # as vLLM: only slow (Python) tokenizers decode differently
     # Logits controls (vLLM; sampler.py skips them when no row of the step asks):
@@ -96,10 +99,12 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise SamplingParamsError("min_tokens",
                                       f"must be <= max_tokens ({self.max_tokens}); got {self.min_tokens}")
-        if self.logprobs is not None:
-            _int_field("logprobs", self.logprobs, minimum=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise SamplingParamsError("logprobs", f"must be <= {MAX_LOGPROBS}; got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _int_field(name, value, minimum=0)
+                if value > MAX_LOGPROBS:
+                    raise SamplingParamsError(name, f"must be <= {MAX_LOGPROBS}; got {value}")
         _check_logits_controls(self)
         if self.structured_outputs is not None:
             self.__dict__["structured_outputs"] = _check_structured_outputs(self)

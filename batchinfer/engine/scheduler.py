@@ -12,6 +12,10 @@ min(tokens not yet computed, budget left) tokens. Each step:
    A prefix-cache hit is taken at admission and only the uncached tokens count against the budget.
    Admission stops at the first sequence that does not fit: later ones never jump the queue, so
    nobody starves.
+
+A sequence that still needs prompt logprobs takes no prefix-cache hit (every prompt position's logits must
+be computed) and runs its prompt in chunks of at most PROMPT_LOGPROBS_CHUNK tokens, which bounds the
+step's [tokens, vocab] logits (256 x 49k floats = 50 MB).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 from batchinfer.engine.block_manager import BlockManager
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.sequence import Sequence, SequenceStatus
+
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 @dataclass
@@ -81,6 +87,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if seq.needs_prompt_logprobs:
+                num_new = min(num_new, PROMPT_LOGPROBS_CHUNK)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # the newest admission
                 self._preempt(victim)
@@ -98,9 +106,12 @@ class Scheduler:
             seq = self._peek_waiting()
             if seq is None:
                 break
-            hits = self.block_manager.get_computed_blocks(seq)
+            if seq.needs_prompt_logprobs:
+                hits, chunk = [], PROMPT_LOGPROBS_CHUNK
+            else:
+                hits, chunk = self.block_manager.get_computed_blocks(seq), budget
             num_cached = len(hits) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = min(seq.num_tokens - num_cached, budget, chunk)
             if not self.block_manager.allocate_slots(seq, num_new, hits):
                 break
             self._pop_waiting()

@@ -100,6 +100,11 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.logprobs: list[dict[int, Any]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # Per prompt token, its logprobs (the first token has none: nothing predicts it). Collected by the
+        # request's first sequence only, chunk by chunk; complete once it holds num_prompt_tokens entries.
+        self.prompt_logprobs: list[dict[int, Any] | None] | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None
+        )
         self.generator: Any = None  # torch.Generator for seeded sampling, created by the sampler
         self.detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
         self.grammar: Any = None  # structured.GrammarState of a constrained request, set by the engine
@@ -141,6 +146,11 @@ class Sequence:
     def is_finished(self) -> bool:
         """True once the sequence reached a FINISHED_* status."""
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while some prompt token's logprobs are still to be computed (no prefix-cache hit then)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
 
 @dataclass

@@ -80,9 +80,9 @@ def _free_port() -> int:
 
 
 def _step_capacity_words(config: EngineConfig, max_model_len: int) -> int:
-    """Upper bound of one step's layout: 3 words per sequence, its new tokens, and its block table."""
+    """Upper bound of one step's layout: 4 words per sequence, its new tokens, and its block table."""
     max_blocks = math.ceil(max_model_len / config.block_size)
-    return 3 * config.max_num_seqs + config.max_num_batched_tokens + config.max_num_seqs * max_blocks
+    return 4 * config.max_num_seqs + config.max_num_batched_tokens + config.max_num_seqs * max_blocks
 
 
 def _threads_per_rank(tp_size: int) -> int:
@@ -158,7 +158,9 @@ class TensorParallelRunner:
             raise RuntimeError("the tensor-parallel runner is closed")
         return self.runner
 
-    def execute_model(self, scheduled: list[tuple[Any, int]]) -> torch.Tensor:
+    def execute_model(
+        self, scheduled: list[tuple[Any, int]], logits_counts: list[int] | None = None
+    ) -> torch.Tensor:
         """Publish the step to the workers, run rank 0's share; float32 logits as ModelRunner's."""
         if self.closed or self.runner is None:
             raise RuntimeError("the tensor-parallel runner is closed")
@@ -166,8 +168,8 @@ class TensorParallelRunner:
             dead = [p.name for p in self.workers if not p.is_alive()]
             if dead:
                 raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} died; see their log above")
-            self.channel.send_step(scheduled)
-        return self.runner.execute_model(scheduled)
+            self.channel.send_step(scheduled, logits_counts)
+        return self.runner.execute_model(scheduled, logits_counts)
 
     def close(self) -> None:
         """Stop the workers, leave the process group, free the shared memory (idempotent)."""
@@ -212,9 +214,9 @@ def _worker_main(
     channel = distributed.StepChannel(0, [], name=shm_name)
     try:
         runner = ModelRunner(config, model)
-        while (scheduled := channel.receive(event)) is not None:
+        while (step := channel.receive(event)) is not None:
             try:
-                runner.execute_model(scheduled)
+                runner.execute_model(*step)
             except ValueError:
                 # A malformed step fails the same check on rank 0 before any collective: skip it, stay
                 # in step.

@@ -56,6 +56,7 @@ def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], 
         body = response_body(endpoint=endpoint, model=result.get("model") or job.model,
                              request_key=request_id, created=created,
                              choices=result.get("choices", []), embeddings=result.get("embeddings"),
+                             prompt_logprobs=result.get("prompt_logprobs"),
                              prompt_tokens=result["prompt_tokens"],
                              completion_tokens=result["completion_tokens"],
                              cached_tokens=result["cached_tokens"])

@@ -39,6 +39,16 @@ def test_logprobs_product_is_refused_naming_the_setting() -> None:
     budget.check(_request(n=2, logprobs=True, top_logprobs=5, max_tokens=100))  # 1,200 entries: fine
 
 
+def test_prompt_logprobs_product_is_refused_naming_the_field() -> None:
+    budget = RequestBudget.from_settings(Settings(max_request_kv_tokens=1 << 22, max_request_logprobs=1000),
+                                         "no-such-model")
+    long_prompt = parse_line(chat_line("x", "word " * 2000, prompt_logprobs=20, max_tokens=1), 1)
+    with pytest.raises(LineError) as caught:
+        budget.check(long_prompt)
+    assert caught.value.param == "prompt_logprobs" and "max_request_logprobs" in caught.value.message
+    budget.check(_request(prompt_logprobs=20, max_tokens=1))  # a short prompt: a few hundred entries
+
+
 def test_kv_product_is_refused_against_the_models_cache(tmp_path: Path) -> None:
     # 2 x 4 layers x 2 kv heads x 16 dims = 256 values a token, float32: 1 MiB holds 1,024 tokens.
     model = _model_dir(tmp_path, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

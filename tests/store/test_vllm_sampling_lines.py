@@ -73,6 +73,12 @@ def test_request_options_are_stored_beside_the_params() -> None:
     assert shorthand.options == {"echo": True} and shorthand.params.logit_bias == {3: 1.0}
 
 
-def test_prompt_logprobs_says_not_supported() -> None:
-    error = _error({"prompt": "x", "prompt_logprobs": 1}, "/v1/completions")
-    assert error.message.startswith("body.prompt_logprobs: prompt_logprobs is not supported by batchinfer")
+def test_prompt_logprobs_is_read_on_both_endpoints_and_bounded() -> None:
+    for url, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": USER})):
+        request = parse_line(_line({**body, "prompt_logprobs": 2}, url), 1)
+        assert request.params.prompt_logprobs == 2
+        stored = orjson.loads(orjson.dumps(request.payload()))
+        assert SamplingParams.from_dict(stored["params"]).prompt_logprobs == 2
+    error = _error({"prompt": "x", "prompt_logprobs": 50}, "/v1/completions")
+    assert error.param == "body.prompt_logprobs" and "<= 20" in error.message
+    assert "must be an integer" in _error({"prompt": "x", "prompt_logprobs": True}, "/v1/completions").message

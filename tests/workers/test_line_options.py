@@ -92,3 +92,25 @@ def test_a_responses_line_runs_as_chat(sqlite_url: str, tmp_path: Path, tiny_lla
     assert response["usage"]["output_tokens"] == completion["usage"]["completion_tokens"] == 3
     BatchOutputLine.model_validate({"id": "x", "custom_id": "resp", "error": None,
                                     "response": {"status_code": 200, "request_id": "r", "body": response}})
+
+
+def test_prompt_logprobs_come_back_where_vllm_puts_them(sqlite_url: str, tmp_path: Path,
+                                                        tiny_llama: Path) -> None:
+    base = {"max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    bodies = _run(sqlite_url, tmp_path, tiny_llama, [
+        {"custom_id": "text", "prompt": "the cat sat on the mat", **base},
+        {"custom_id": "chat", "messages": USER, **base},
+        {"custom_id": "plain", "prompt": "the cat sat on the mat", "max_tokens": 2},
+    ])
+    text, chat = bodies["text"], bodies["chat"]
+    for entries, body in ((text["choices"][0]["prompt_logprobs"], text), (chat["prompt_logprobs"], chat)):
+        assert len(entries) == body["usage"]["prompt_tokens"] and entries[0] is None
+        for entry in entries[1:]:
+            assert 2 <= len(entry) <= 3  # the prompt token, plus the top 2
+            for token_id, figure in entry.items():
+                assert int(token_id) >= 0 and figure["logprob"] <= 0 and figure["rank"] >= 1
+                assert isinstance(figure["decoded_token"], str)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        BatchOutputLine.model_validate({"id": "x", "custom_id": "c", "error": None,
+                                        "response": {"status_code": 200, "request_id": "r", "body": body}})
+    assert "prompt_logprobs" not in bodies["plain"] and "prompt_logprobs" not in bodies["plain"]["choices"][0]
