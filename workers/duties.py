@@ -3,7 +3,8 @@
 Every deployment shape runs them in-process, at intervals taken from Settings (ARCHITECTURE.md, section 5):
 
 - `batchinfer beat` (with a broker) and `batchinfer scheduler` (without one): all four (purge too);
-- every `batchinfer worker`: rescue and expiry, so a fleet without beat still recovers and expires.
+- every `batchinfer worker`: rescue and expiry, so a fleet without beat still recovers and expires; a
+  Celery worker also heartbeats its registration (presence), as nothing else does between tasks.
 
 Each duty is idempotent and single-flight in the database (an advisory lock on PostgreSQL, BEGIN IMMEDIATE
 on SQLite; schedule slots are unique rows), so any number of processes may run the same duty at once. A
@@ -23,6 +24,7 @@ from batchinfer.config import Settings
 from batchinfer.store.db import exclusive, session_factory
 from batchinfer.store.jobs import expire_jobs
 from batchinfer.store.retention import purge
+from batchinfer.store.workers import WORKER_LIVE_S
 from workers import cron
 from workers.app import get_app
 from workers.dispatch import rescue_and_redispatch
@@ -101,6 +103,11 @@ def purge_duty(settings: Settings) -> Duty:
             logger.info("purged files %s and jobs %s (expired or past retention)", report.files, report.jobs)
 
     return Duty("purge", settings.purge_interval_seconds, purge_expired)
+
+
+def presence_duty(heartbeat: Callable[[], object]) -> Duty:
+    """An idle Celery worker's heartbeat: between tasks nothing else marks it live (a busy one beats)."""
+    return Duty("presence", WORKER_LIVE_S / 4, heartbeat)
 
 
 def control_duties(settings: Settings, *, app: Celery | None = None) -> list[Duty]:

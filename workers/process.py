@@ -84,6 +84,15 @@ def process_worker() -> ShardRunner:
         return _process_runner
 
 
+def heartbeat_process_worker() -> None:
+    """Mark this process's worker live in the worker table (the presence duty; no-op before it exists)."""
+    runner = _process_runner
+    if runner is not None:
+        with runner.sessions() as session:
+            worker_store.worker_heartbeat(session, worker_id=runner.worker_id,
+                                          info=runner.metrics.heartbeat_info())
+
+
 def run_process_shard(shard_id: int) -> RunStats:
     """Claim `shard_id` (a no-op if it is taken), then keep this process's engine busy until no shard is left.
 

@@ -52,7 +52,7 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
     process.process_model = model
     process.process_engine_overrides = overrides
     process.process_metrics_port = metrics_port if metrics_port is not None else settings.worker_metrics_port
-    from workers.duties import start_duties, worker_duties
+    from workers.duties import presence_duty, start_duties, worker_duties
 
     duties_stop = threading.Event()  # rescue + expiry beside the shards, whatever runs beat (duties.py)
     if settings.broker_url:
@@ -65,7 +65,8 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
         # The solo pool runs tasks in this process (no fork): load the engine (and register the worker) now,
         # so "ready" means ready and the first shard does not wait for the model.
         process.process_worker()
-        start_duties(worker_duties(settings, app=app), stop=duties_stop)
+        start_duties([*worker_duties(settings, app=app), presence_duty(process.heartbeat_process_worker)],
+                     stop=duties_stop)
         node = f"batchinfer-{os.path.basename(model)}-{os.getpid()}@%h"
         emit({"event": "worker_started", "model": model, "mode": "celery", "queue": queue_name(model),
               "pid": os.getpid()})

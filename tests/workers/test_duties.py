@@ -55,3 +55,27 @@ def test_a_separate_celery_beat_sends_every_duty_to_the_control_queue_with_an_ex
         EXPIRE: (4, {"queue": CONTROL_QUEUE, "expires": 4}),
         SCHEDULE_TICK: (9, {"queue": CONTROL_QUEUE, "expires": 9}),
     }
+
+
+def test_an_idle_celery_worker_stays_listed_through_its_presence_duty(sqlite_url, tmp_path, tiny_llama,
+                                                                     monkeypatch) -> None:
+    from batchinfer.store.db import session_factory, upgrade
+    from batchinfer.store.workers import WORKER_LIVE_S, list_workers
+    from workers import process
+    from workers.duties import presence_duty
+
+    upgrade(sqlite_url)
+    settings = Settings(database_url=sqlite_url, data_dir=tmp_path)
+    runner = process.make_runner(model=str(tiny_llama), settings=settings, device="cpu",
+                                 kv_cache_memory_bytes=16 << 20)
+    monkeypatch.setattr(process, "_process_runner", runner)
+    sessions = session_factory(sqlite_url)
+    with sessions() as session:
+        registered = list_workers(session)[0].last_heartbeat_at
+    duty = presence_duty(process.heartbeat_process_worker)
+    assert duty.interval_s < WORKER_LIVE_S / 2  # at least two beats inside the live window
+    time.sleep(0.05)
+    duty.run()
+    with sessions() as session:
+        (worker,) = list_workers(session)
+    assert worker.live and worker.last_heartbeat_at > registered
