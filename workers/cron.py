@@ -3,7 +3,9 @@
 Celery beat calls `tick` every minute (task batchinfer.schedule_tick); without a broker `batchinfer
 scheduler` runs the same loop in-process. Every step is safe to repeat: slots are claimed by a unique
 row, job submission carries an idempotency key derived from the slot, outputs are written to a temp
-file and renamed, and webhooks are delivered from an outbox table (workers.webhooks).
+file and renamed, and webhooks are delivered from an outbox table (workers.webhooks). A run still
+`pending` STALE_PENDING_RUN after its claim (the ticker died before submitting it) is started again: the
+slot's idempotency key returns the job if the dead ticker had created it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from celery import Celery
 
 logger = logging.getLogger("batchinfer.scheduler")
+# Longer than any submit takes to start (a tick submits its runs one after the other, under its lock).
+STALE_PENDING_RUN = timedelta(minutes=5)
 
 
 def tick(*, app: Celery | None = None, settings: Settings | None = None, now: datetime | None = None,
@@ -60,7 +64,7 @@ def tick(*, app: Celery | None = None, settings: Settings | None = None, now: da
             to_run, latest = store.due_slots(schedule, now=now)
             for slot in to_run:
                 with sessions() as session:
-                    run = store.claim_slot(session, schedule=schedule, slot_at=slot)
+                    run = store.claim_slot(session, schedule=schedule, slot_at=slot, now=now)
                 if run is not None:
                     start_run(run=run, schedule=schedule, settings=settings, app=app, now=now)
                     started += 1
@@ -70,9 +74,29 @@ def tick(*, app: Celery | None = None, settings: Settings | None = None, now: da
         except Exception:
             logger.exception("schedule %s: could not start its due slots; retrying at the next tick",
                              schedule.name)
+    started += restart_stale_runs(settings=settings, app=app, now=now)
     finish_runs(settings=settings, now=now)
     deliver_webhooks(settings=settings, now=now, client=client)
     return started
+
+
+def restart_stale_runs(*, settings: Settings, app: Celery | None = None, now: datetime | None = None) -> int:
+    """Start again the runs claimed but never submitted (their ticker died in between); returns how many."""
+    now = now or utcnow()
+    sessions = session_factory(settings.effective_database_url)
+    with sessions() as session:
+        runs = store.stale_pending_runs(session, claimed_before=now - STALE_PENDING_RUN)
+        schedules = {s.id: s for s in store.list_schedules(session)}
+    restarted = 0
+    for run in runs:
+        schedule = schedules.get(run.schedule_id)
+        if schedule is None:
+            continue
+        logger.warning("schedule %s slot %s: its run was claimed at %s but never submitted; starting it",
+                       schedule.name, run.slot_at, run.created_at)
+        start_run(run=run, schedule=schedule, settings=settings, app=app, now=now)
+        restarted += 1
+    return restarted
 
 
 def run_now(*, name: str, settings: Settings | None = None, app: Celery | None = None,
@@ -82,7 +106,7 @@ def run_now(*, name: str, settings: Settings | None = None, app: Celery | None =
     now = now or utcnow()
     with session_factory(settings.effective_database_url)() as session:
         schedule = store.get_schedule(session, name=name)
-        run = store.claim_slot(session, schedule=schedule, slot_at=now, manual=True)
+        run = store.claim_slot(session, schedule=schedule, slot_at=now, manual=True, now=now)
     if run is None:
         raise store.ScheduleError(f"a run of {name!r} for {now.isoformat()} exists already; try again")
     return start_run(run=run, schedule=schedule, settings=settings, app=app, now=now)

@@ -172,10 +172,10 @@ def due_slots(schedule: Schedule, *, now: datetime) -> tuple[list[datetime], dat
 
 
 def claim_slot(session: Session, *, schedule: Schedule, slot_at: datetime,
-               manual: bool = False) -> ScheduleRun | None:
+               manual: bool = False, now: datetime | None = None) -> ScheduleRun | None:
     """Insert the run for (schedule, slot) and advance last_slot_at; None if another tick already did."""
     run = ScheduleRun(schedule_id=schedule.id, slot_at=slot_at, status=ScheduleRunStatus.PENDING,
-                      manual=manual, created_at=utcnow())
+                      manual=manual, created_at=now or utcnow())
     try:
         with write_transaction(session):
             session.add(run)
@@ -205,6 +205,13 @@ def update_run(session: Session, *, run_id: int, **values: Any) -> ScheduleRun:
         for key, value in values.items():
             setattr(run, key, value)
     return run
+
+
+def stale_pending_runs(session: Session, *, claimed_before: datetime) -> list[ScheduleRun]:
+    """Runs claimed before `claimed_before` and never submitted: their ticker died between the two."""
+    return list(session.scalars(select(ScheduleRun).where(ScheduleRun.status == ScheduleRunStatus.PENDING,
+                                                          ScheduleRun.created_at < claimed_before)
+                                .order_by(ScheduleRun.id)))
 
 
 def runs_awaiting_outputs(session: Session) -> list[ScheduleRun]:

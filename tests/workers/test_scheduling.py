@@ -86,6 +86,27 @@ def test_missing_input_records_a_failed_run_and_the_schedule_goes_on(sqlite_url:
     assert runs[1][1] == "submitted"
 
 
+def test_a_run_claimed_by_a_ticker_that_died_before_submitting_is_started_later(sqlite_url: str,
+                                                                               tmp_path: Path) -> None:
+    from batchinfer.store.schedules import claim_slot, get_schedule
+    from workers.cron import STALE_PENDING_RUN
+
+    settings = _settings(sqlite_url, tmp_path)
+    _add(settings, tmp_path)
+    _inputs(tmp_path, "2026-11-01")
+    slot, claimed = T0 + timedelta(hours=1), T0 + timedelta(hours=1, seconds=2)
+    with session_factory(settings.effective_database_url)() as session:  # the claim, then the crash
+        assert claim_slot(session, schedule=get_schedule(session, name="nightly"), slot_at=slot,
+                          now=claimed) is not None
+    assert tick(settings=settings, now=claimed + timedelta(seconds=30)) == 0  # maybe still submitting
+    assert _runs(settings) == [("11-01 01:00", "pending", None)]
+    assert tick(settings=settings, now=claimed + STALE_PENDING_RUN + timedelta(seconds=1)) == 1
+    assert _runs(settings) == [("11-01 01:00", "submitted", None)]
+    assert tick(settings=settings, now=claimed + 2 * STALE_PENDING_RUN) == 0  # once
+    with session_factory(settings.effective_database_url)() as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == 1
+
+
 def _race(settings: Settings, now: datetime, threads: int = 4) -> None:
     barrier = threading.Barrier(threads)
     errors: list[BaseException] = []
