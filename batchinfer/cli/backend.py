@@ -25,7 +25,8 @@ class Backend(Protocol):
                metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
                completion_window: str | None) -> dict[str, Any]: ...
 
-    def get(self, batch_id: str, *, patient: bool = False) -> dict[str, Any]: ...
+    def get(self, batch_id: str, *, patient: bool = False,
+            within_s: float | None = None) -> dict[str, Any]: ...
 
     def list(self, *, limit: int, after: str | None) -> list[dict[str, Any]]: ...
 
@@ -86,8 +87,8 @@ class LocalBackend:
                 raise BackendError(str(exc)) from None
             return self._batch(job, session)
 
-    def get(self, batch_id: str, *, patient: bool = False) -> dict[str, Any]:
-        """The batch object of one job (`patient` matters only to a server)."""
+    def get(self, batch_id: str, *, patient: bool = False, within_s: float | None = None) -> dict[str, Any]:
+        """The batch object of one job (`patient` and `within_s` matter only to a server)."""
         from batchinfer.store.jobs import get_job
 
         with self.sessions() as session:
@@ -154,10 +155,13 @@ class RemoteBackend:
                           completion_window=completion_window or "24h", idempotency_key=idempotency_key,
                           on_invalid=on_invalid, priority=priority, shard_size=shard_size)
 
-    def get(self, batch_id: str, *, patient: bool = False) -> dict[str, Any]:
-        """The batch object from the server; `patient` (a --wait poll) outlasts a server restart."""
-        return self._call(self.client.get, batch_id,
-                          retry_seconds=self.patience_seconds if patient else None)
+    def get(self, batch_id: str, *, patient: bool = False, within_s: float | None = None) -> dict[str, Any]:
+        """The batch object from the server; `patient` (a --wait poll) outlasts a server restart, retrying
+        for at most `within_s` seconds when given (what is left of a --timeout)."""
+        retry_seconds = self.patience_seconds if patient else None
+        if within_s is not None:
+            retry_seconds = min(retry_seconds if retry_seconds is not None else within_s, within_s)
+        return self._call(self.client.get, batch_id, retry_seconds=retry_seconds)
 
     def list(self, *, limit: int, after: str | None) -> list[dict[str, Any]]:
         """Newest batches first."""

@@ -100,7 +100,14 @@ def _wait(backend: Any, batch: dict[str, Any], *, timeout: float | None, quiet: 
                 fail(f"timed out waiting for {batch['id']} ({batch['status']})", code=EXIT_TIMEOUT,
                      type="timeout")
             time.sleep(0.5)
-            batch = backend.get(batch["id"], patient=True)  # outlasts a server restart
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.5)
+            try:
+                batch = backend.get(batch["id"], patient=True, within_s=remaining)  # outlasts a restart
+            except BackendError as exc:
+                if deadline is None or time.monotonic() < deadline:
+                    raise
+                fail(f"timed out waiting for {batch['id']} ({batch['status']}; last poll: {exc})",
+                     code=EXIT_TIMEOUT, type="timeout")
             counts, progress = batch["request_counts"], batch.get("progress") or {}
             bar.set(done=counts["completed"] + counts["failed"], tokens=batch["usage"]["output_tokens"],
                     total=counts["total"], eta_seconds=progress.get("eta_seconds"),

@@ -104,6 +104,30 @@ def test_submit_wait_outlasts_a_server_restart(api_settings: Settings, api_key: 
     assert stderr == b""  # under --json stderr is for errors only: the retries were silent
 
 
+def test_wait_timeout_holds_while_the_server_stays_down(api_settings: Settings, api_key: str,
+                                                        tmp_path: Path) -> None:
+    from batchinfer.cli.output import EXIT_TIMEOUT
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl([chat_line("c0", "hi")]))
+    port = _free_port()
+    env = {**os.environ, "BATCHINFER_API_KEY": api_key, "BATCHINFER_SERVER_RETRY_SECONDS": "120",
+           "BATCHINFER_DATA_DIR": str(tmp_path / "cli-data")}
+    command = [sys.executable, "-m", "batchinfer.cli", "--server", f"http://127.0.0.1:{port}", "submit",
+               str(path), "--model", TEST_MODEL, "--wait", "--timeout", "4", "--json"]
+    with _serve_on(create_app(api_settings), port):
+        cli = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while not _jobs(api_settings):
+            assert cli.poll() is None and time.monotonic() < deadline, cli.communicate()
+            time.sleep(0.05)
+        down_at = time.monotonic()
+    _, stderr = cli.communicate(timeout=60)  # no server, no worker: only --timeout can end the wait
+    assert cli.returncode == EXIT_TIMEOUT, stderr.decode()
+    assert time.monotonic() - down_at < 15  # --timeout 4, not server_retry_seconds 120
+    assert orjson.loads(stderr.splitlines()[-1])["error"]["type"] == "timeout"
+
+
 def test_remote_submit_passes_on_invalid_priority_and_shard_size(api_settings: Settings, api_key: str,
                                                                  tmp_path: Path, monkeypatch) -> None:
     good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
