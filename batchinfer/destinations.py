@@ -5,7 +5,9 @@ into a way to reach what its author could not:
 
 - a webhook is http(s) to a public address: loopback, link-local (cloud metadata at 169.254.169.254),
   private, multicast and reserved addresses are refused unless `webhook_allow_private` (a host name
-  counts by every address it resolves to). Checked at `schedule add` and again before each delivery;
+  counts by every address it resolves to). Checked at `schedule add` and again before each delivery,
+  which then connects to the address it checked (`pinned_webhook_request`), so a name that resolves
+  elsewhere a moment later (DNS rebinding) cannot redirect the POST;
 - input globs and output paths stay inside `schedule_roots` (default: the data dir), checked on the
   template at `schedule add` and on each rendered path at run time (a date format may hold '..').
 """
@@ -15,36 +17,67 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from batchinfer.config import Settings
 
 WEBHOOK_SCHEMES = ("http", "https")
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class DestinationRefused(ValueError):
     """A webhook URL or a schedule path that the settings do not allow; the message names the setting."""
 
 
-def check_webhook_url(url: str, *, allow_private: bool) -> None:
-    """Raise DestinationRefused unless `url` is http(s) to a host whose every address is public."""
+@dataclass(frozen=True)
+class PinnedRequest:
+    """Where to send a webhook: the URL with its host replaced by a checked address, and what keeps the
+    original name for the receiver (the Host header) and for TLS (SNI and certificate checks)."""
+
+    url: str
+    headers: dict[str, str]
+    extensions: dict[str, str]
+
+
+def pinned_webhook_request(url: str, *, allow_private: bool) -> PinnedRequest:
+    """Check `url` as check_webhook_url does and pin it to the first address checked (unless private
+    addresses are allowed: then there is nothing to pin against, and the URL goes as it is)."""
+    address = check_webhook_url(url, allow_private=allow_private)
+    if address is None:
+        return PinnedRequest(url, {}, {})
+    parts = urlsplit(url)
+    host = f"[{address}]" if address.version == 6 else str(address)
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
+    pinned = urlunsplit(parts._replace(netloc=netloc))
+    host_header = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
+    extensions = {"sni_hostname": parts.hostname} if parts.scheme.lower() == "https" else {}
+    return PinnedRequest(pinned, {"Host": host_header}, extensions)
+
+
+def check_webhook_url(url: str, *, allow_private: bool) -> IPAddress | None:
+    """Raise DestinationRefused unless `url` is http(s) to a host whose every address is public; returns
+    the first of them (None when private addresses are allowed, which skips resolving)."""
     parts = urlsplit(url)
     if parts.scheme.lower() not in WEBHOOK_SCHEMES or not parts.hostname:
         raise DestinationRefused(f"webhook: {url[:200]!r} is not an http:// or https:// URL with a host")
     if allow_private:
-        return
+        return None
     try:
         port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
         infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
     except (OSError, ValueError) as exc:
         raise DestinationRefused(f"webhook: cannot resolve the host of {url[:200]!r} ({exc})") from None
-    for info in infos:
-        address = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+    addresses = [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos]
+    for address in addresses:
         if not address.is_global or address.is_multicast:
             raise DestinationRefused(
                 f"webhook: {parts.hostname} is {address}, a loopback, link-local, private or reserved "
                 "address; use a public receiver, or set webhook_allow_private = true to allow it")
+    if not addresses:
+        raise DestinationRefused(f"webhook: the host of {url[:200]!r} resolves to no address")
+    return addresses[0]
 
 
 def schedule_roots(settings: Settings) -> list[Path]:

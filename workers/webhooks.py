@@ -21,7 +21,7 @@ import orjson
 from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings
-from batchinfer.destinations import check_webhook_url
+from batchinfer.destinations import pinned_webhook_request
 from batchinfer.store import schedules as store
 from batchinfer.store.db import session_factory
 from batchinfer.store.models import Job, Schedule, ScheduleRun, utcnow
@@ -115,8 +115,9 @@ def _post(client: httpx.Client, settings: Settings, url: str, body: bytes,
     if secret:
         headers[SIGNATURE_HEADER] = sign(secret, timestamp, body)
     try:
-        check_webhook_url(url, allow_private=settings.webhook_allow_private)
-        response = client.post(url, content=body, headers=headers)
+        pinned = pinned_webhook_request(url, allow_private=settings.webhook_allow_private)
+        response = client.post(pinned.url, content=body, headers={**headers, **pinned.headers},
+                               extensions=pinned.extensions)
     except Exception as exc:  # HTTPError, InvalidURL, a refused address: this delivery fails alone, retried
         return False, f"{type(exc).__name__}: {exc}"
     return response.is_success, None if response.is_success else f"HTTP {response.status_code}"

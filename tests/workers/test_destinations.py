@@ -4,6 +4,7 @@ input and output paths confined to schedule_roots, at `schedule add` and at run 
 from __future__ import annotations
 
 import http.server
+import socket
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -13,7 +14,12 @@ import pytest
 from sqlalchemy import select
 
 from batchinfer.config import Settings
-from batchinfer.destinations import DestinationRefused, check_webhook_url, schedule_roots
+from batchinfer.destinations import (
+    DestinationRefused,
+    check_webhook_url,
+    pinned_webhook_request,
+    schedule_roots,
+)
 from batchinfer.store import schedules as store
 from batchinfer.store.db import session_factory, upgrade
 from batchinfer.store.models import ScheduleRun, WebhookDelivery
@@ -39,6 +45,57 @@ def test_webhook_urls_allowed() -> None:
     check_webhook_url("http://127.0.0.1:9/hook", allow_private=True)  # the setting loosens it
     with pytest.raises(DestinationRefused, match="http:// or https://"):
         check_webhook_url("file:///etc/passwd", allow_private=True)  # but never another scheme
+
+
+def test_a_webhook_is_pinned_to_the_address_it_was_checked_at() -> None:
+    pinned = pinned_webhook_request("https://93.184.216.34:8443/hook?x=1", allow_private=False)
+    assert pinned.url == "https://93.184.216.34:8443/hook?x=1"
+    assert pinned.headers == {"Host": "93.184.216.34:8443"}
+    assert pinned.extensions == {"sni_hostname": "93.184.216.34"}  # TLS checks the certificate for the name
+    loose = pinned_webhook_request("http://127.0.0.1:9/hook", allow_private=True)
+    assert (loose.url, loose.headers, loose.extensions) == ("http://127.0.0.1:9/hook", {}, {})
+
+
+def test_a_name_rebound_to_loopback_after_the_check_is_never_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DNS rebinding: the name is public when checked and loopback a moment later; the POST goes to the
+    checked address (unreachable here), never to the receiver listening on loopback."""
+    import httpx
+
+    hits: list[str] = []
+
+    class Receiver(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    real = socket.getaddrinfo
+    answers = iter(["93.184.216.34"])  # the first answer (the check) is public, every later one loopback
+
+    def rebinding(host, *args, **kwargs):  # noqa: ANN001, ANN202
+        if host == "rebind.example":
+            return real(next(answers, "127.0.0.1"), *args, **kwargs)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    url = f"http://rebind.example:{port}/hook"
+    try:
+        pinned = pinned_webhook_request(url, allow_private=False)
+        assert pinned.url == f"http://93.184.216.34:{port}/hook"
+        assert pinned.headers == {"Host": f"rebind.example:{port}"}
+        with httpx.Client(timeout=0.5) as client:
+            with pytest.raises(httpx.TransportError):
+                client.post(pinned.url, content=b"{}", headers=pinned.headers)
+            assert client.post(url, content=b"{}").status_code == 200  # what an unpinned POST would hit
+    finally:
+        server.shutdown()
+    assert hits == ["/hook"]  # only the unpinned control call reached the loopback receiver
 
 
 def _settings(url: str, tmp_path: Path, **values: object) -> Settings:
