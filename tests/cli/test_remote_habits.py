@@ -77,21 +77,29 @@ def _jobs(settings: Settings) -> list[Job]:
         return list(session.query(Job).order_by(Job.id))
 
 
-def test_submit_wait_outlasts_a_server_restart(api_settings: Settings, api_key: str, tmp_path: Path) -> None:
+def _submit_wait_then_stop_the_server(settings: Settings, api_key: str, tmp_path: Path, *, requests: int,
+                                      retry_seconds: int, timeout: int) -> tuple[subprocess.Popen, int]:
+    """`submit --wait --json` through the CLI against a server that stops once the job exists; (cli, port)."""
     path = tmp_path / "in.jsonl"
-    path.write_bytes(jsonl([chat_line(f"c{i}", "hi") for i in range(3)]))
+    path.write_bytes(jsonl([chat_line(f"c{i}", "hi") for i in range(requests)]))
     port = _free_port()
-    env = {**os.environ, "BATCHINFER_API_KEY": api_key, "BATCHINFER_SERVER_RETRY_SECONDS": "60",
+    env = {**os.environ, "BATCHINFER_API_KEY": api_key, "BATCHINFER_SERVER_RETRY_SECONDS": str(retry_seconds),
            "BATCHINFER_DATA_DIR": str(tmp_path / "cli-data")}
     command = [sys.executable, "-m", "batchinfer.cli", "--server", f"http://127.0.0.1:{port}", "submit",
-               str(path), "--model", TEST_MODEL, "--wait", "--timeout", "60", "--json"]
-    with _serve_on(create_app(api_settings), port):
+               str(path), "--model", TEST_MODEL, "--wait", "--timeout", str(timeout), "--json"]
+    with _serve_on(create_app(settings), port):
         cli = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 60
-        while not _jobs(api_settings):
+        while not _jobs(settings):
             assert cli.poll() is None and time.monotonic() < deadline, cli.communicate()
             time.sleep(0.05)
         time.sleep(0.5)  # the CLI is polling now
+    return cli, port
+
+
+def test_submit_wait_outlasts_a_server_restart(api_settings: Settings, api_key: str, tmp_path: Path) -> None:
+    cli, port = _submit_wait_then_stop_the_server(api_settings, api_key, tmp_path, requests=3,
+                                                  retry_seconds=60, timeout=60)
     time.sleep(2.0)  # the server is down: the CLI's polls are refused and retried
     assert cli.poll() is None, cli.communicate()
     with _serve_on(create_app(api_settings), port), \
@@ -108,20 +116,9 @@ def test_wait_timeout_holds_while_the_server_stays_down(api_settings: Settings, 
                                                         tmp_path: Path) -> None:
     from batchinfer.cli.output import EXIT_TIMEOUT
 
-    path = tmp_path / "in.jsonl"
-    path.write_bytes(jsonl([chat_line("c0", "hi")]))
-    port = _free_port()
-    env = {**os.environ, "BATCHINFER_API_KEY": api_key, "BATCHINFER_SERVER_RETRY_SECONDS": "120",
-           "BATCHINFER_DATA_DIR": str(tmp_path / "cli-data")}
-    command = [sys.executable, "-m", "batchinfer.cli", "--server", f"http://127.0.0.1:{port}", "submit",
-               str(path), "--model", TEST_MODEL, "--wait", "--timeout", "4", "--json"]
-    with _serve_on(create_app(api_settings), port):
-        cli = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 60
-        while not _jobs(api_settings):
-            assert cli.poll() is None and time.monotonic() < deadline, cli.communicate()
-            time.sleep(0.05)
-        down_at = time.monotonic()
+    cli, _ = _submit_wait_then_stop_the_server(api_settings, api_key, tmp_path, requests=1, retry_seconds=120,
+                                               timeout=4)
+    down_at = time.monotonic()
     _, stderr = cli.communicate(timeout=60)  # no server, no worker: only --timeout can end the wait
     assert cli.returncode == EXIT_TIMEOUT, stderr.decode()
     assert time.monotonic() - down_at < 15  # --timeout 4, not server_retry_seconds 120
