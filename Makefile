@@ -10,7 +10,15 @@ DEMO_OUT ?= results/demo-results.jsonl
 # The venv's tools (ninja for the CPU attention kernel build) come first on PATH.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup demo test lint bench-engine clean
+# The peers of `make bench-peers` (OpenVINO GenAI, optimum-intel) live in their own venv, never the project's:
+# the torch/torchvision pins keep pip from pulling a CUDA torch, and torchvision is removed after the install
+# because it breaks `import transformers` beside the CPU torch.
+PEERS_VENV ?= .venv-peers
+PEERS_SPEC ?= torch==2.13.0 torchvision==0.28.0 openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 \
+	openvino-genai==2026.4.1.0 "optimum-intel[openvino]==2.2.0"
+PEERS_STAMP := $(PEERS_VENV)/.peers-installed
+
+.PHONY: setup demo test lint bench-engine bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,5 +46,17 @@ test: lint
 bench-engine: setup
 	$(BIN)/python bench/engine_throughput.py
 
+$(PEERS_STAMP):
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install -q $(PEERS_SPEC)
+	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision
+	touch $(PEERS_STAMP)
+
+# Exports SmolLM2 to OpenVINO IR at fp32 and int8 once (cached beside the converted model) and prints
+# batchinfer at each precision beside OpenVINO GenAI and transformers, in one run.
+bench-peers: setup $(PEERS_STAMP)
+	$(BIN)/python bench/engine_throughput.py --skip-static --peers-python $(PEERS_VENV)/bin/python
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache results .batchinfer-demo
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .ruff_cache results .batchinfer-demo

@@ -36,6 +36,8 @@ OTHER_ENV_VARS = frozenset({
     "BATCHINFER_CONFIG",         # the TOML file (this module)
     "BATCHINFER_CACHE_DIR",      # converted models (batchinfer.engine.loader)
     "BATCHINFER_CPU_ATTENTION",  # "sdpa" selects the pure-torch CPU attention (engine.layers.cpu_attention)
+    "BATCHINFER_CPU_LINEAR",     # "aten": no oneDNN weight prepacking (engine.layers.weight_packing)
+    "BATCHINFER_CPU_FUSED",      # "0": no fused CPU rotary / SiLU-and-mul (engine.layers.cpu_attention)
 })
 TEST_ENV_PREFIX = "BATCHINFER_TEST_"  # the test suite's own servers (tests/conftest.py)
 
@@ -170,6 +172,8 @@ class Settings(BaseSettings):
     # Engine knobs (the worker's defaults; see batchinfer.engine.config.EngineConfig).
     device: str = "auto"
     dtype: str = "auto"
+    quantization: Literal["int8"] | None = Field(
+        None, description="int8: per-channel int8 weights, dynamic int8 GEMMs (CPU); unset: the dtype's.")
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(4096, ge=16)
     max_model_len: int | None = None
@@ -178,6 +182,12 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1, description="Stages of layers (one per node, with Ray).")
+    distributed_executor_backend: Literal["mp", "ray"] = Field(
+        "mp", description="How the ranks start: local processes, or Ray actors on a running Ray cluster.")
+    speculative_config: dict[str, Any] | None = Field(
+        None, description='Speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4} or '
+        '{"method": "draft_model", "model": "...", "num_speculative_tokens": 3}; unset: off.')
 
     # Worker metrics: each `batchinfer worker` serves Prometheus metrics on its own port (workers.metrics).
     worker_metrics_port: int | None = Field(None, ge=0, le=65535,
@@ -188,6 +198,14 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=1, le=65535)
     auth_disabled: bool = Field(False, description="Only honoured when api_host is a loopback address.")
+
+    @field_validator("speculative_config", mode="after")
+    @classmethod
+    def _check_speculative_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        from batchinfer.engine.spec_decode.config import parse_speculative_config  # pure Python
+
+        parse_speculative_config(value)  # a ValueError naming speculative_config.<key>
+        return value
 
     @field_validator("database_url", mode="after")
     @classmethod
@@ -234,6 +252,7 @@ class Settings(BaseSettings):
         return {
             "device": self.device,
             "dtype": self.dtype,
+            "quantization": self.quantization,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
@@ -242,6 +261,9 @@ class Settings(BaseSettings):
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "enable_prefix_caching": self.enable_prefix_caching,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "distributed_executor_backend": self.distributed_executor_backend,
+            "speculative_config": self.speculative_config,
         }
 
     def public_dict(self) -> dict[str, Any]:

@@ -53,6 +53,7 @@ SAMPLING_FIELDS = frozenset({
     "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens", "bad_words",
     "allowed_token_ids", "truncate_prompt_tokens", "logit_bias", "prompt_logprobs",
     "structured_outputs",  # structured output; the other fields asking for it: structured_fields.py
+    "speculative_decoding",  # batchinfer: false opts the request out of the engine's speculative decoding
 })  # fmt: skip
 CHAT_ONLY_FIELDS = CHAT_OPTION_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_ONLY_FIELDS = COMPLETION_OPTION_FIELDS | {"prompt", "logprobs"}

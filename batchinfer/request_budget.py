@@ -59,7 +59,8 @@ class RequestBudget:
         if settings.max_request_kv_tokens is not None:
             kv_tokens, source = settings.max_request_kv_tokens, "max_request_kv_tokens"
         elif shape is not None:
-            itemsize = 2 if settings.dtype in ("bfloat16", "float16") else 4  # auto: float32 on CPU
+            # auto: counted as float32 (the API may run elsewhere than the workers; the larger is safe)
+            itemsize = 2 if settings.dtype in ("bfloat16", "float16") else 4
             kv_tokens = max(settings.kv_cache_memory_bytes // (shape.kv_values_per_token * itemsize), 1)
             source = (f"the KV cache of kv_cache_memory_bytes={settings.kv_cache_memory_bytes}; "
                       "set max_request_kv_tokens to change it")

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from celery import Celery
 
+from batchinfer.engine.threads import configure_openmp_env
 from workers.app import get_app
 from workers.tasks import register_tasks
+
+# `celery -A workers.celery_app worker` starts here: the engine's OpenMP defaults before torch is imported.
+configure_openmp_env()
 
 
 def worker_app() -> Celery:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from batchinfer.config import Settings
+from batchinfer.engine.errors import RankFailedError
 from batchinfer.store import shards as shard_store
 from batchinfer.store import workers as worker_store
 from batchinfer.store.errors import LeaseLost
@@ -120,10 +121,17 @@ class ShardRunner:
             if not self._flights and (stop.is_set() or not self._top_up(job_id, force=True)):
                 break
             try:
-                outputs = self.engine.step() if self.engine.has_unfinished() else []
-            except Exception as exc:  # one bad request must not take the worker down
-                logger.exception("engine step failed; isolating the culprit")
-                outputs = self._isolate_failure(exc)
+                try:
+                    outputs = self.engine.step() if self.engine.has_unfinished() else []
+                except RankFailedError:
+                    raise
+                except Exception as exc:  # one bad request must not take the worker down
+                    logger.exception("engine step failed; isolating the culprit")
+                    outputs = self._isolate_failure(exc)
+            except RankFailedError:  # no request is to blame and no step can run: shards back now, exit
+                logger.exception("a rank of the parallel engine failed; handing the shards back")
+                self.hand_back()
+                raise
             self._run_one_embedding(stats)
             tokens = 0
             for output in outputs:
@@ -371,6 +379,8 @@ class ShardRunner:
                                         cache_salt=submitted.cache_salt)
                 while self.engine.has_unfinished():
                     finished.extend(o for o in self.engine.step() if o.request_id == engine_id)
+            except RankFailedError:
+                raise
             except Exception as solo_exc:  # this request is the culprit
                 self.engine.abort(engine_id)
                 self._submitted.pop(engine_id, None)

@@ -17,6 +17,11 @@ from batchinfer import __version__
 from batchinfer.cli.context import server_option
 from batchinfer.cli.output import EXIT_ERROR, show_error
 from batchinfer.config import ConfigError
+from batchinfer.engine.threads import configure_openmp_env
+
+# OpenMP reads its thread count and wait policy when torch is first imported (by `run`, `worker`): set the
+# engine's defaults before any command can import it; a value in the environment wins.
+configure_openmp_env()
 
 # (module, attribute) of every command registered on the main group.
 _COMMANDS: list[tuple[str, str]] = [

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ import orjson
 
 from batchinfer.cli.output import emit, fail, json_option
 from batchinfer.config import get_settings
+from batchinfer.engine.errors import RankFailedError
 
 if TYPE_CHECKING:
     from batchinfer.store.shards import RescueReport
@@ -30,12 +32,22 @@ def _setup_logging(level: str) -> None:
               help="The model this worker serves (default: settings.default_model).")
 @click.option("--device", default=None, help="cpu, cuda, cuda:N (default: settings.device).")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None, help="GPUs per engine.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+              help="Weights and activations (default: settings.dtype; auto: bf16 where the CPU has it).")
+@click.option("--quantization", type=click.Choice(["int8"]), default=None,
+              help="int8: int8 weights and dynamic int8 GEMMs on CPU (default: settings.quantization).")
+@click.option("--pipeline-parallel-size", type=click.IntRange(min=1), default=None,
+              help="Stages of layers (e.g. one per node).")
+@click.option("--distributed-executor-backend", type=click.Choice(["mp", "ray"]), default=None,
+              help="Start the ranks as local processes (mp) or as actors on a running Ray cluster (ray).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on this port (default: settings.worker_metrics_port; 0: off).")
 @click.option("--log-level", default="info", show_default=True)
 @json_option("Print the start line as one JSON object on stdout (model, mode, queue, pid).")
-def worker(model: str | None, device: str | None, tensor_parallel_size: int | None, metrics_port: int | None,
-           log_level: str, as_json: bool) -> None:
+def worker(model: str | None, device: str | None, tensor_parallel_size: int | None, dtype: str | None,
+           quantization: str | None,
+           pipeline_parallel_size: int | None, distributed_executor_backend: str | None,
+           metrics_port: int | None, log_level: str, as_json: bool) -> None:
     """Run a long-lived worker: Celery on the model's queue with a broker, else poll the database."""
     import workers.process as process
     from batchinfer.cli.backend import LocalBackend
@@ -49,6 +61,14 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
         overrides["device"] = device
     if tensor_parallel_size:
         overrides["tensor_parallel_size"] = tensor_parallel_size
+    if dtype:
+        overrides["dtype"] = dtype
+    if quantization:
+        overrides["quantization"] = quantization
+    if pipeline_parallel_size:
+        overrides["pipeline_parallel_size"] = pipeline_parallel_size
+    if distributed_executor_backend:
+        overrides["distributed_executor_backend"] = distributed_executor_backend
     process.process_model = model
     process.process_engine_overrides = overrides
     process.process_metrics_port = metrics_port if metrics_port is not None else settings.worker_metrics_port
@@ -96,6 +116,11 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
     start_duties(worker_duties(settings), stop=duties_stop)
     try:
         process.poll_forever(runner, stop=stop)
+    except RankFailedError as exc:  # the runner handed the shards back; no step can run: exit, be restarted
+        from workers.tasks import EXIT_ENGINE_LOST
+
+        click.echo(f"worker: {exc}; its shards were handed back; exiting", err=True)
+        sys.exit(EXIT_ENGINE_LOST)
     finally:
         duties_stop.set()
 

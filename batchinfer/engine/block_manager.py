@@ -14,7 +14,9 @@ Invariants (checked by `check_invariants`):
    chained hash it carries. Sequences only write positions >= their num_computed_tokens, and a prefix
    hit ends on a block boundary, so nobody ever writes into a hashed block.
 5. Blocks are hashed when they are allocated for the step that fills them (like vLLM), i.e. possibly
-   before that step's forward pass has run. Another sequence admitted in the same step may then share
+   before that step's forward pass has run, and only as far as seq.token_ids reaches (the slots a
+   speculative step allocates for its draft tokens hold tokens that are not accepted yet). Another
+   sequence admitted in the same step may then share
    them: this is safe because within each layer the model runner stores the whole step's K/V
    (store_kvcache) before any attention reads the cache.
 6. Eviction order: the free queue is least-recently-freed first. A sequence frees its blocks tail
@@ -266,8 +268,12 @@ class BlockManager:
         self.stats.block_hits += num_hit_blocks
 
     def _hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Register the blocks that are full once `num_tokens` tokens of `seq` are computed."""
-        num_full = num_tokens // self.block_size
+        """Register the blocks that are full once `num_tokens` tokens of `seq` are computed.
+
+        Capped at seq.token_ids: a speculative step's lookahead slots hold draft tokens that are not in
+        token_ids yet (and may be rejected), so only blocks of accepted tokens are ever hashed.
+        """
+        num_full = min(num_tokens, len(seq.token_ids)) // self.block_size
         start = self._num_hashed.get(seq.seq_id, 0)
         if num_full <= start:
             return

@@ -8,6 +8,9 @@ worker (nano-vllm's ModelRunner design, minus the pickle). A worker has read the
 the step's first collective, and rank 0 writes the next step only after the last collective of this one,
 so one buffer suffices.
 
+Under pipeline parallelism (pp_stage.py) each stage's ranks form a subgroup: use_tensor_parallel_group
+points the collectives at it, and the gathered logits land on the stage's first rank (the leader).
+
 Collective timing (seconds on this rank, including waits for slower peers) is accumulated in COMM_STATS
 for bench/tp_comm.py; two perf_counter calls per collective cost nothing next to the collective.
 """
@@ -36,6 +39,9 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 class _TPState:
     rank: int = 0
     world_size: int = 1
+    # Under pipeline parallelism: this stage's group (None = the default group) and its rank 0's global rank.
+    group: Any = None
+    leader: int = 0
 
 
 _STATE = _TPState()
@@ -79,11 +85,18 @@ def init_tensor_parallel(rank: int, world_size: int, *, backend: str, init_metho
     _STATE.rank, _STATE.world_size = rank, world_size
 
 
+def use_tensor_parallel_group(group: Any, rank: int, world_size: int, *, leader: int) -> None:
+    """Make `group` (one pipeline stage's ranks, already created) the one the layers' collectives use."""
+    if _STATE.world_size != 1:
+        raise RuntimeError("a tensor-parallel engine is already running in this process; close() it first")
+    _STATE.rank, _STATE.world_size, _STATE.group, _STATE.leader = rank, world_size, group, leader
+
+
 def destroy_tensor_parallel() -> None:
-    """Leave the process group; this process is a single rank again."""
+    """Leave the process group (and its subgroups); this process is a single rank again."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    _STATE.rank, _STATE.world_size = 0, 1
+    _STATE.rank, _STATE.world_size, _STATE.group, _STATE.leader = 0, 1, None, 0
 
 
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,24 +104,24 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     if _STATE.world_size == 1:
         return tensor
     start = time.perf_counter()
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=_STATE.group)
     COMM_STATS.all_reduce_s += time.perf_counter() - start
     COMM_STATS.all_reduce_calls += 1
     return tensor
 
 
 def gather_last_dim(tensor: torch.Tensor) -> torch.Tensor | None:
-    """Concatenate every rank's tensor along the last dim on rank 0; other ranks get None."""
+    """Concatenate every rank's tensor along the last dim on (tensor-parallel) rank 0; others get None."""
     if _STATE.world_size == 1:
         return tensor
     start = time.perf_counter()
     tensor = tensor.contiguous()
     if _STATE.rank == 0:
         parts = [torch.empty_like(tensor) for _ in range(_STATE.world_size)]
-        dist.gather(tensor, parts, dst=0)
+        dist.gather(tensor, parts, dst=_STATE.leader, group=_STATE.group)
         result: torch.Tensor | None = torch.cat(parts, dim=-1)
     else:
-        dist.gather(tensor, None, dst=0)
+        dist.gather(tensor, None, dst=_STATE.leader, group=_STATE.group)
         result = None
     COMM_STATS.gather_s += time.perf_counter() - start
     COMM_STATS.gather_calls += 1
@@ -116,11 +129,11 @@ def gather_last_dim(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 def all_reduce_min_int(value: int, device: torch.device) -> int:
-    """The minimum of value over all ranks (every rank gets it)."""
+    """The minimum of value over all (tensor-parallel) ranks (every rank gets it)."""
     if _STATE.world_size == 1:
         return value
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_STATE.group)
     return int(tensor.item())
 
 

@@ -10,6 +10,10 @@ Structured output (structured.py): a constrained request's grammar compiles in t
 is compiled the request waits here, outside the scheduler, so nothing else waits for it. Each step fills
 the grammar bitmask of the constrained rows, the sampler masks those rows only, and each accepted token
 advances the row's matcher.
+
+Speculative decoding (spec_decode/): the scheduler gives a decoding sequence lookahead slots, the
+Speculator proposes drafts for it, the drafts run as part of its chunk (k + 1 logits rows), and the
+accepted tokens are appended one by one through _append_token like sampled ones.
 """
 
 from __future__ import annotations
@@ -21,18 +25,21 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from itertools import accumulate
 
 from batchinfer.engine import prompt_logprobs
-from batchinfer.engine.block_manager import BlockManager, cdiv
+from batchinfer.engine.block_manager import BlockManager
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.detokenizer import IncrementalDetokenizer
+from batchinfer.engine.executor import make_model_runner
 from batchinfer.engine.logits_controls import bad_words_token_ids
 from batchinfer.engine.metrics import EngineStats, MetricsRecorder
 from batchinfer.engine.outputs import RequestOutput, make_logprob_entry, make_request_output
+from batchinfer.engine.request_checks import check_param_token_ids, prompt_token_ids, resolved_max_tokens
 from batchinfer.engine.resolved_model import resolve_model
 from batchinfer.engine.runner_protocol import ModelRunnerProtocol
 from batchinfer.engine.sampler import GrammarMask, SampleLogprobs, Sampler
 from batchinfer.engine.sampling_params import SamplingParams
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from batchinfer.engine.spec_decode.speculator import Speculator
 from batchinfer.engine.stop import check_stop
 from batchinfer.engine.structured import GrammarBackend, GrammarState
 
@@ -51,24 +58,27 @@ class Engine:
         self.vocab_size = model.vocab_size
         self.tokenizer = model.tokenizer
         self.eos_token_ids: AbstractSet[int] = model.eos_token_ids
-        self.model_runner: ModelRunnerProtocol
-        if config.tensor_parallel_size > 1:
-            from batchinfer.engine.tp_runner import TensorParallelRunner
-
-            self.model_runner = TensorParallelRunner(config, model)
-        else:
-            from batchinfer.engine.model_runner import ModelRunner
-
-            self.model_runner = ModelRunner(config, model)
+        self.model_runner: ModelRunnerProtocol = make_model_runner(config, model)
         self.block_manager = BlockManager(
             self.model_runner.num_kv_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             namespace=config.model,
         )
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, max_model_len=self.max_model_len)
+        self.speculator: Speculator | None = None
+        if config.speculative_config is not None:
+            self.speculator = Speculator(config.speculative_config, config,
+                                         num_kv_blocks=self.model_runner.num_kv_blocks,
+                                         vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         self.sampler = Sampler(seed=config.seed, device=self.model_runner.device)
         self.recorder = MetricsRecorder(config.model, self.scheduler, self.block_manager)
+        if self.speculator is not None:
+            from batchinfer.engine.spec_decode.metrics import SpecDecodeMetrics
+
+            self.recorder.spec_counts = self.speculator.counts
+            self.recorder.spec_metrics = SpecDecodeMetrics(self.recorder.metrics.labels,
+                                                           config.speculative_config.num_speculative_tokens)
         self._requests: dict[str, SequenceGroup] = {}
         # decode([token id]) per skip_special_tokens value, shared by every sequence's detokenizer
         self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}
@@ -82,6 +92,8 @@ class Engine:
     def close(self) -> None:
         """Release what outlives a step: tensor-parallel worker processes, the grammar compile thread."""
         self.model_runner.close()
+        if self.speculator is not None:
+            self.speculator.close()
         if self.grammar_backend is not None:
             self.grammar_backend.close()
 
@@ -113,12 +125,10 @@ class Engine:
         prompt_token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
         if params.truncate_prompt_tokens is not None:  # vLLM: keep the prompt's last k tokens
             prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens:]
-        max_tokens = self._check_lengths(len(prompt_token_ids), params)
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids",
-                          params.allowed_token_ids or ()), ("logit_bias", params.logit_bias or ())):
-            outside = [i for i in ids if i >= self.vocab_size]
-            if outside:
-                raise ValueError(f"{name}: {outside[:5]} outside the vocabulary (size {self.vocab_size})")
+        max_tokens = resolved_max_tokens(len(prompt_token_ids), params, max_model_len=self.max_model_len,
+                                         block_size=self.config.block_size,
+                                         num_blocks=self.block_manager.num_total_blocks)
+        check_param_token_ids(params, vocab_size=self.vocab_size)
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         compiled = None
         if params.structured_outputs is not None:
@@ -203,24 +213,8 @@ class Engine:
 
     def tokenize(self, prompt: str | list[int], *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt given as text or ids (ids are checked against the vocabulary)."""
-        if isinstance(prompt, str):
-            token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-        elif isinstance(prompt, list | tuple) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            token_ids = list(prompt)
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt: token ids {bad[:5]} outside the vocabulary (size {self.vocab_size})"
-                )
-        else:
-            raise ValueError(
-                f"prompt: must be a string or a list of token ids; got {type(prompt).__name__}"
-            )
-        if not token_ids:
-            raise ValueError("prompt: must not be empty")
-        return token_ids
+        return prompt_token_ids(self.tokenizer, prompt, vocab_size=self.vocab_size,
+                                add_special_tokens=add_special_tokens)
 
     def embed(self, inputs: list[str | list[int]]) -> tuple[list[list[float]], int]:
         """(each input's normalised mean-pooled embedding, tokens read); outside the generation batch."""
@@ -267,7 +261,14 @@ class Engine:
         """Run one iteration; returns the requests that finished (and, if asked, those that progressed)."""
         recorder = self.recorder
         outputs = self._queue_compiled() if self._awaiting_grammar else []
-        scheduled = self.scheduler.schedule().scheduled
+        schedule = self.scheduler.schedule()
+        scheduled = schedule.scheduled
+        speculative = None
+        if self.speculator is not None:
+            if schedule.preempted:
+                self.speculator.forget(schedule.preempted)
+            if schedule.lookahead:
+                speculative = self.speculator.propose(scheduled, schedule.lookahead)
         if not scheduled:
             recorder.count_tokens(0, 0)
             if self._awaiting_grammar and not self.scheduler.has_unfinished():
@@ -278,7 +279,12 @@ class Engine:
         recorder.num_steps += 1
         scheduled_time = time.time()
         counts = prompt_logprobs.logits_counts(scheduled) if self._prompt_logprob_requests else None
-        logits = self.model_runner.execute_model(scheduled, counts)
+        if speculative is None:
+            logits = self.model_runner.execute_model(scheduled, counts)
+        else:  # the drafts run as part of their sequence's chunk; k + 1 logits rows each
+            counts = speculative.logits_counts(counts, len(scheduled))
+            with speculative.drafts_in_token_ids():
+                logits = self.model_runner.execute_model(speculative.grown(scheduled), counts)
         ends = None if counts is None else list(accumulate(counts))  # entry i's logits end at row ends[i]
 
         rows: list[int] = []
@@ -299,6 +305,16 @@ class Engine:
                 rows.append(row)
 
         progressed: dict[str, SequenceGroup] = {}  # requests to report: with a finished sequence, or all
+        num_generated = len(rows)
+        if speculative is not None:
+            assert self.speculator is not None and ends is not None
+            appended, spec_seqs = self.speculator.verify_and_append(
+                speculative, logits, ends, self.sampler, self.eos_token_ids, self._append_token)
+            num_generated += appended - len(spec_seqs)
+            for seq in spec_seqs:
+                if include_unfinished or seq.is_finished:
+                    progressed[seq.request_id] = self._requests[seq.request_id]
+            rows = [row for row in rows if row not in speculative.proposals]
         if rows:
             seqs = [scheduled[row][0] for row in rows]
             grammar = self._grammar_mask(seqs) if self.grammar_backend is not None else None
@@ -313,7 +329,7 @@ class Engine:
                 self._append_token(seq, token_id, logprobs, now)
                 if include_unfinished or seq.is_finished:
                     progressed[seq.request_id] = self._requests[seq.request_id]
-        recorder.count_tokens(prompt_tokens, len(rows))
+        recorder.count_tokens(prompt_tokens, num_generated)
         self.scheduler.free_finished()
 
         for request in progressed.values():
@@ -349,7 +365,7 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
             self._ttfts.append(now - seq.arrival_time)
-        elif seq.last_token_time is not None:
+        elif seq.last_token_time is not None and now != seq.last_token_time:  # once per step (speculation)
             self._itls.append(now - seq.last_token_time)
         seq.last_token_time = now
         if logprobs is not None:
@@ -379,27 +395,3 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block; False if requests still hold blocks."""
         return self.block_manager.reset_prefix_cache()
-
-    def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
-        """The request's resolved max_tokens, after checking it fits the context and the KV pool."""
-        if prompt_len >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {prompt_len} tokens leave no room to generate within max_model_len="
-                f"{self.max_model_len}; shorten the prompt"
-            )
-        room = self.max_model_len - prompt_len
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        if max_tokens > room:
-            raise ValueError(
-                f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"max_model_len={self.max_model_len}; lower max_tokens to at most {room}"
-            )
-        # The last sampled token is never computed, so a sequence holds at most prompt + max_tokens - 1.
-        blocks_needed = cdiv(prompt_len + max_tokens - 1, self.config.block_size)
-        if blocks_needed > self.block_manager.num_total_blocks:
-            capacity = self.block_manager.num_total_blocks * self.config.block_size
-            raise ValueError(
-                f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) does not fit the KV "
-                f"cache ({capacity} tokens); lower max_tokens or raise num_kv_blocks / kv_cache_memory_bytes"
-            )
-        return max_tokens

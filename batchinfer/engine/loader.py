@@ -236,12 +236,15 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
         else:
             expected.add((name, None))
     tied = bool(getattr(model, "tie_word_embeddings", False))
+    elsewhere = getattr(model, "skips_checkpoint_tensor", None)  # a pipeline stage: other stages' tensors
     split = tp_world_size() > 1
     loaded: set[tuple[str, Any]] = set()
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as checkpoint:
             for ckpt_name in checkpoint.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
                 if ckpt_name.endswith(_IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
+                    continue
+                if elsewhere is not None and elsewhere(ckpt_name):
                     continue
                 name, shard = ckpt_name, None
                 for key, (module, shard_id) in packed.items():

@@ -19,7 +19,7 @@ import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -59,6 +59,11 @@ class EngineStats:
     step_prompt_tokens: int  # the same two figures for the last step only
     step_generation_tokens: int
     num_steps: int
+    # Speculative decoding (vLLM's spec_decode_* counters); all 0 without speculative_config.
+    spec_num_drafts: int = 0  # verifications of a sequence's proposal
+    spec_num_draft_tokens: int = 0  # tokens proposed
+    spec_num_accepted_tokens: int = 0  # of those, accepted
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # accepted at draft position i
 
 
 @dataclass(slots=True)
@@ -314,6 +319,9 @@ class MetricsRecorder:
                                          num_blocks=block_manager.num_total_blocks,
                                          enable_prefix_caching=block_manager.enable_prefix_caching)
         self.stat_logger = StatLogger()
+        # Under speculative decoding: the engine's SpecDecodeCounts and their SpecDecodeMetrics.
+        self.spec_counts: Any = None
+        self.spec_metrics: Any = None
         self.prompt_tokens = self.generation_tokens = self.num_steps = 0
         self.step_prompt_tokens = self.step_generation_tokens = 0
         self._reported = (0, 0, 0)  # prefix queries, hits, preemptions already folded into the metrics
@@ -344,6 +352,8 @@ class MetricsRecorder:
         )
         self.metrics.record_step(stats)
         self.stat_logger.record_step(stats)
+        if self.spec_metrics is not None:
+            self.spec_metrics.fold(self.spec_counts)
 
     def record_finished(self, output: RequestOutput) -> None:
         """Count a finished (or aborted) request and observe its latencies."""
@@ -376,4 +386,5 @@ class MetricsRecorder:
             step_prompt_tokens=self.step_prompt_tokens,
             step_generation_tokens=self.step_generation_tokens,
             num_steps=self.num_steps,
+            **(self.spec_counts.as_stats() if self.spec_counts is not None else {}),
         )

@@ -34,6 +34,7 @@ from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.attention_plan import build_torch_plan
 from batchinfer.engine.layers.context import AttentionContext, set_context
+from batchinfer.engine.layers.weight_packing import pack_weights
 from batchinfer.engine.loader import load_weights
 from batchinfer.engine.models import get_model_class
 from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
@@ -101,12 +102,13 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        # Decode tokens on CPU/fp32 go to the native kernel (built here, once, rather than mid-step).
+        # Decode tokens on CPU (fp32/bf16) go to the native kernel (built here, once, rather than mid-step).
         self.native_decode = (
-            self.attention_backend == "torch" and self.device.type == "cpu" and self.dtype == torch.float32
-            and cpu_attention.load() is not None
+            self.attention_backend == "torch" and self.device.type == "cpu"
+            and cpu_attention.supports(self.dtype)
         )
         self.model = self._build_model()
+        pack_weights(self.model, self.device, config.quantization)  # CPU: oneDNN / int8 linear kernels
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim

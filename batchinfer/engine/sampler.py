@@ -15,8 +15,10 @@ Unseeded rows share one generator seeded from EngineConfig.seed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Sequence_
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,6 +48,16 @@ class GrammarMask:
 
 
 @dataclass
+class ProcessedLogits:
+    """Sampler.process's result: the logits ready to draw from, and the per-row switches it found."""
+
+    logits: torch.Tensor  # float32; the caller's tensor unless a control, ban or penalty applied
+    raw_logprobs: torch.Tensor | None  # [len(want_logprobs), vocab] log-softmax of the raw logits
+    want_logprobs: list[int]  # rows whose request asked for logprobs
+    random_rows: list[int]  # rows with temperature > 0
+
+
+@dataclass
 class SamplerOutput:
     """Per row: the sampled token id, and its logprobs when the request asked for them."""
 
@@ -71,6 +83,44 @@ class Sampler:
 
         The caller's logits stay untouched, except that `grammar`'s rows are masked in place: the engine's
         logits are scratch, and copying [256, 49152] floats would cost more than the mask itself.
+        """
+        processed = self.process(logits, seqs, eos_token_ids, grammar)
+        logits, random_rows, want_logprobs = processed.logits, processed.random_rows, processed.want_logprobs
+        params = [seq.params for seq in seqs]
+        device = logits.device
+        if len(random_rows) < len(seqs):
+            token_ids = argmax_rows(logits)
+        else:  # no greedy row: every row is drawn below
+            token_ids = torch.empty(len(seqs), dtype=torch.long, device=device)
+        if random_rows:
+            probs = self.random_probs(logits[random_rows], [params[i] for i in random_rows])
+            noise = self._exponential_noise(probs, [seqs[i] for i in random_rows])
+            token_ids[random_rows] = argmax_rows(probs.div_(noise)).to(device)
+
+        sampled = token_ids.tolist()
+        logprobs: list[SampleLogprobs | None] = [None] * len(seqs)
+        if processed.raw_logprobs is not None:
+            for row, figures in zip(
+                want_logprobs,
+                gather_logprobs(
+                    processed.raw_logprobs, token_ids[want_logprobs],
+                    [params[i].logprobs for i in want_logprobs],
+                ),
+                strict=True,
+            ):
+                logprobs[row] = figures
+        return SamplerOutput(token_ids=sampled, logprobs=logprobs)
+
+    def process(
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence_[Any],
+        eos_token_ids: AbstractSet[int],
+        grammar: GrammarMask | None = None,
+    ) -> ProcessedLogits:
+        """Everything before the draw: grammar mask, raw logprobs, logits controls, min_tokens, penalties.
+
+        Speculative verification (spec_decode/verify.py) calls this on its per-position rows too.
         """
         params = [seq.params for seq in seqs]
         given = logits
@@ -110,37 +160,20 @@ class Sampler:
                 frequency=_tensor([params[i].frequency_penalty for i in penalized], device),
                 repetition=_tensor([params[i].repetition_penalty for i in penalized], device),
             )
+        return ProcessedLogits(logits, raw_logprobs, want_logprobs, random_rows)
 
-        if len(random_rows) < len(seqs):
-            token_ids = argmax_rows(logits)
-        else:  # no greedy row: every row is drawn below
-            token_ids = torch.empty(len(seqs), dtype=torch.long, device=device)
-        if random_rows:
-            rows = logits[random_rows]
-            sub = [params[i] for i in random_rows]
-            rows = rows / _tensor([p.temperature for p in sub], device).unsqueeze(1)
-            if any(p.min_p > 0 for p in sub):
-                rows = apply_min_p(rows, _tensor([p.min_p for p in sub], device))
-            if any(p.top_k > 0 or p.top_p < 1 for p in sub):
-                vocab = rows.shape[1]
-                top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in sub], device=device)
-                rows = apply_top_k_top_p(rows, top_k, _tensor([p.top_p for p in sub], device))
-            probs = torch.softmax(rows, dim=-1)
-            noise = self._exponential_noise(probs, [seqs[i] for i in random_rows])
-            token_ids[random_rows] = argmax_rows(probs.div_(noise)).to(device)
-
-        sampled = token_ids.tolist()
-        logprobs: list[SampleLogprobs | None] = [None] * len(seqs)
-        if raw_logprobs is not None:
-            for row, figures in zip(
-                want_logprobs,
-                gather_logprobs(
-                    raw_logprobs, token_ids[want_logprobs], [params[i].logprobs for i in want_logprobs]
-                ),
-                strict=True,
-            ):
-                logprobs[row] = figures
-        return SamplerOutput(token_ids=sampled, logprobs=logprobs)
+    @staticmethod
+    def random_probs(rows: torch.Tensor, params: list[Any]) -> torch.Tensor:
+        """The distributions of temperature > 0 rows: temperature, min_p, top_k / top_p, softmax."""
+        device = rows.device
+        rows = rows / _tensor([p.temperature for p in params], device).unsqueeze(1)
+        if any(p.min_p > 0 for p in params):
+            rows = apply_min_p(rows, _tensor([p.min_p for p in params], device))
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            vocab = rows.shape[1]
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+            rows = apply_top_k_top_p(rows, top_k, _tensor([p.top_p for p in params], device))
+        return torch.softmax(rows, dim=-1)
 
     def _exponential_noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Exp(1) noise per row: seeded rows from their own generator, the rest from the shared one."""

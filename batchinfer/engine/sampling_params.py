@@ -69,6 +69,9 @@ class SamplingParams:
     # The output must match this constraint; ends with "stop" at the grammar's end (a dict of its fields
     # is accepted too). Not with ignore_eos or min_tokens: the grammar alone decides where output ends.
     structured_outputs: StructuredOutputsParams | None = None
+    # False opts this request out of speculative decoding (engine speculative_config); output is the same
+    # either way (speculation is exact), only its speed differs.
+    speculative_decoding: bool = True
 
     def __post_init__(self) -> None:
         _int_field("n", self.n, minimum=1)
@@ -90,7 +93,7 @@ class SamplingParams:
         _check_stop(self.stop)
         _check_stop_token_ids(self.stop_token_ids)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+                     "spaces_between_special_tokens", "speculative_decoding"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"must be true or false; got {getattr(self, name)!r}")
         if self.max_tokens is not None:

@@ -16,6 +16,14 @@ min(tokens not yet computed, budget left) tokens. Each step:
 A sequence that still needs prompt logprobs takes no prefix-cache hit (every prompt position's logits must
 be computed) and runs its prompt in chunks of at most PROMPT_LOGPROBS_CHUNK tokens, which bounds the
 step's [tokens, vocab] logits (256 x 49k floats = 50 MB).
+
+Speculative decoding (speculative_config): while the running batch holds at most disable_by_batch_size
+sequences, a decoding sequence (its last token is its only uncomputed one) may speculate: besides its
+token it gets lookahead slots for up to k draft tokens, within the token budget, its max_tokens and the
+context, allocated with its blocks (SchedulerOutput.lookahead), and only while a free block is left for
+each later running sequence: otherwise it decodes plainly, so speculation does not cause preemptions.
+Constrained (structured-output) sequences and requests with speculative_decoding=False never speculate.
+The engine then proposes and runs the entry as 1 + the drafts it got.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from batchinfer.engine.block_manager import BlockManager
+from batchinfer.engine.block_manager import BlockManager, cdiv
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.sequence import Sequence, SequenceStatus
 
@@ -38,6 +46,8 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (row of `scheduled`, most draft tokens) of the speculating sequences; their slots are allocated
+    lookahead: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -48,9 +58,12 @@ class SchedulerOutput:
 class Scheduler:
     """Iteration-level scheduler over a running list and a (priority, arrival)-ordered queue."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, *,
+                 max_model_len: int | None = None) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len or config.max_model_len or 1 << 62
+        self.speculative = config.speculative_config  # SpeculativeConfig | None
         self.block_manager = block_manager
         self.running: list[Sequence] = []
         self.preempted: deque[Sequence] = deque()  # the front of the queue
@@ -83,12 +96,22 @@ class Scheduler:
         """Pick this step's sequences and chunk sizes, allocating their KV slots."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        spec = self.speculative
+        k = spec.num_speculative_tokens if spec and len(self.running) <= spec.disable_by_batch_size else 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if seq.needs_prompt_logprobs:
                 num_new = min(num_new, PROMPT_LOGPROBS_CHUNK)
+            lookahead = self._lookahead(seq, num_new, budget, k) if k else 0
+            if lookahead and self._leaves_room(seq, num_new + lookahead, len(self.running) - i - 1) \
+                    and self.block_manager.allocate_slots(seq, num_new + lookahead):
+                out.lookahead.append((len(out.scheduled), lookahead))
+                out.scheduled.append((seq, num_new))
+                budget -= num_new + lookahead
+                i += 1
+                continue
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # the newest admission
                 self._preempt(victim)
@@ -123,6 +146,21 @@ class Scheduler:
             out.scheduled.append((seq, num_new))
             budget -= num_new
         return out
+
+    def _leaves_room(self, seq: Sequence, num_tokens: int, num_later: int) -> bool:
+        """True if `seq` can take num_tokens more slots and leave a free block for each later sequence."""
+        bm = self.block_manager
+        needed = cdiv(seq.num_computed_tokens + num_tokens, bm.block_size) - len(seq.block_table)
+        return bm.num_free_blocks - max(needed, 0) >= num_later
+
+    def _lookahead(self, seq: Sequence, num_new: int, budget: int, k: int) -> int:
+        """Draft tokens `seq` may verify this step: 0 unless it is decoding and allowed to speculate."""
+        if num_new != 1 or seq.num_computed_tokens + 1 != len(seq.token_ids) or seq.grammar is not None \
+                or not seq.params.speculative_decoding:
+            return 0
+        # Every verified draft may be emitted, plus one more token: stay within max_tokens and the context.
+        room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
+        return max(0, min(k, budget - 1, room))
 
     def free_finished(self) -> list[Sequence]:
         """Drop finished sequences from the running list and free their blocks; returns them."""

@@ -31,6 +31,7 @@ import torch
 
 from batchinfer.engine import distributed
 from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.errors import RankFailedError
 from batchinfer.engine.model_runner import ModelRunner
 from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
 
@@ -167,7 +168,9 @@ class TensorParallelRunner:
         if scheduled:
             dead = [p.name for p in self.workers if not p.is_alive()]
             if dead:
-                raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} died; see their log above")
+                raise RankFailedError(
+                    f"tensor-parallel worker(s) {', '.join(dead)} died; see their log above"
+                )
             self.channel.send_step(scheduled, logits_counts)
         return self.runner.execute_model(scheduled, logits_counts)
 

@@ -26,7 +26,7 @@ def _copy_model(src: Path, dst: Path) -> Path:
 
 
 def _runner(path: Path) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=str(path), num_kv_blocks=32, device="cpu"))
+    return ModelRunner(EngineConfig(model=str(path), num_kv_blocks=32, device="cpu", dtype="float32"))
 
 
 def _prefill_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:

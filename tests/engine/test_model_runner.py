@@ -35,7 +35,8 @@ def runner(tiny_llama: Path) -> ModelRunner:
 
 def test_cpu_defaults_and_kv_budget(tiny_llama: Path) -> None:
     budget = 3 * 2**20
-    runner = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", kv_cache_memory_bytes=budget))
+    runner = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32",
+                                      kv_cache_memory_bytes=budget))
     cfg = runner.hf_config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     block_bytes = 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * head_dim * 4
@@ -129,7 +130,7 @@ def test_skipped_slots_are_not_written() -> None:
 
 def test_bfloat16_on_cpu_runs_close_to_float32(tiny_llama: Path) -> None:
     bf16 = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", dtype="bfloat16", num_kv_blocks=8))
-    fp32 = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", num_kv_blocks=8))
+    fp32 = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=8))
     assert bf16.attention_layers[0].k_cache.dtype == torch.bfloat16
     tokens = [5, 9, 33, 2, 17, 40, 41, 42]
     low, high = (r.execute_model([(Seq(tokens, [3, 1]), 8)])[0] for r in (bf16, fp32))
@@ -148,7 +149,7 @@ TRITON_SCRIPT = textwrap.dedent(
             self.token_ids, self.block_table, self.num_computed_tokens = tokens, table, 0
 
     runners = [ModelRunner(EngineConfig(model=sys.argv[1], block_size=4, num_kv_blocks=48, device="cpu",
-                                        attention_backend=b)) for b in ("torch", "triton")]
+                                        dtype="float32", attention_backend=b)) for b in ("torch", "triton")]
     assert runners[1].attention_backend == "triton"
     rng = random.Random(0)
     worst = 0.0

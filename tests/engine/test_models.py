@@ -62,6 +62,7 @@ def hf_logits(hf_model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
 
 def make_runner(path: Path, *, block_size: int = 4, num_blocks: int = 256, **kwargs) -> ModelRunner:
     config = EngineConfig(model=str(path), block_size=block_size, num_kv_blocks=num_blocks, device="cpu",
+                          dtype=kwargs.pop("dtype", "float32"),
                           **kwargs)
     return ModelRunner(config)
 

@@ -9,7 +9,7 @@ import sys
 import orjson
 import pytest
 
-from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.config import EngineConfig, cpu_has_native_bf16
 from batchinfer.engine.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -129,7 +129,7 @@ def test_engine_config_defaults_and_resolution() -> None:
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (256, 4096, 16)
     assert config.enable_prefix_caching and config.max_model_len is None and config.num_kv_blocks is None
     assert config.resolved_device() == "cpu"
-    assert str(config.resolved_dtype()) == "torch.float32"
+    assert str(config.resolved_dtype()) == ("torch.bfloat16" if cpu_has_native_bf16() else "torch.float32")
     assert str(EngineConfig(model="m", device="cpu", dtype="bfloat16").resolved_dtype()) == "torch.bfloat16"
 
 

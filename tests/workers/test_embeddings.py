@@ -48,7 +48,8 @@ def test_embedding_matches_transformers(sqlite_url: str, tiny_llama: Path, tmp_p
 
     upgrade(sqlite_url)
     settings = Settings(database_url=sqlite_url, data_dir=tmp_path)
-    engine = make_runner(model=str(tiny_llama), settings=settings, max_num_seqs=4, device="cpu").engine
+    engine = make_runner(model=str(tiny_llama), settings=settings, max_num_seqs=4, device="cpu",
+                         dtype="float32").engine
     texts = ["hello world, this is a test", "short"]
     vectors, tokens = engine.embed(texts)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)

@@ -8,6 +8,7 @@ sampler runs there only), other ranks get an empty tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,6 +58,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
+        # Set after loading by weight_packing.pack_for_cpu (a oneDNN / int8 copy of the output matrix).
+        self.packed: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Use the embedding table as the output matrix (tie_word_embeddings)."""
@@ -64,7 +67,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits in the model dtype (on rank 0; other ranks: an empty tensor)."""
-        logits = F.linear(hidden_states, self.weight)
+        logits = F.linear(hidden_states, self.weight) if self.packed is None else self.packed(hidden_states)
         if self.tp_size == 1:
             return logits
         gathered = gather_last_dim(logits)

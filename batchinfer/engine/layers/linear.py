@@ -9,6 +9,7 @@ KV heads: with fewer KV heads than ranks each KV head is replicated on world_siz
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,6 +60,12 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # Set after loading by weight_packing.pack_for_cpu (oneDNN / int8 kernel, bias included).
+        self.packed: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def effective_bias(self) -> torch.Tensor | None:
+        """The bias this rank adds (a row-parallel layer adds it on rank 0 only, so the sum stays right)."""
+        return self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
         """Copy this rank's slice of a checkpoint tensor into param."""
@@ -76,7 +83,9 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the (local slice of the) linear map."""
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is not None:
+            return self.packed(x)
+        return F.linear(x, self.weight, self.effective_bias())
 
 
 def _take_rows(loaded: Any, shard_index: int, num_shards: int, size: int, dst: torch.Tensor) -> torch.Tensor:
@@ -174,6 +183,10 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(_divide(input_size, tp_world_size()), output_size, bias, tp_dim=1)
 
+    def effective_bias(self) -> torch.Tensor | None:
+        """The bias is added once (by rank 0) so the all-reduced sum stays right."""
+        return self.bias if self.tp_rank == 0 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T on this rank's slice; the bias is added once (by rank 0) so the sum stays right."""
-        return all_reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
+        """x @ W.T on this rank's slice, all-reduced across ranks."""
+        return all_reduce(super().forward(x))

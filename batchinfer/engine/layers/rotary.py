@@ -148,6 +148,22 @@ def apply_rotary(
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def rotate_qkv_(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_rotated_heads: int, head_dim: int
+) -> bool:
+    """Rotate the first num_rotated_heads heads (q then k) of each row of qkv [T, ...] in place.
+
+    True when the fused CPU kernel did it; False (qkv untouched) where it does not apply: use apply_rotary.
+    """
+    from batchinfer.engine.layers.cpu_attention import fused_ops_for
+
+    ops = fused_ops_for(qkv)
+    if ops is None or qkv.dim() != 2 or qkv.stride(1) != 1 or cos.dtype != qkv.dtype:
+        return False
+    ops.rotary_(qkv, cos.contiguous(), sin.contiguous(), num_rotated_heads, head_dim)
+    return True
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): transformers' x*cos + rotate_half(x)*sin, term by term.
     x1, x2 = x.chunk(2, dim=-1)

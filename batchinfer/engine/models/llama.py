@@ -22,7 +22,8 @@ from batchinfer.engine.layers.linear import (
     RowParallelLinear,
 )
 from batchinfer.engine.layers.norm import RMSNorm
-from batchinfer.engine.layers.rotary import apply_rotary, get_rope
+from batchinfer.engine.layers.rotary import apply_rotary, get_rope, rotate_qkv_
+from batchinfer.engine.models.pipeline_stage import MissingLayer, PipelineStage
 
 
 def _head_dim(config: Any) -> int:
@@ -72,11 +73,13 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]; rope: the step's (cos, sin) of each token's position."""
         qkv = self.qkv_proj(hidden_states)
+        rotated = rotate_qkv_(qkv, *rope, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
+        if not rotated:
+            q, k = apply_rotary(q, k, *rope)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -127,22 +130,39 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm."""
+    """Embedding, decoder layers and final norm; a pipeline stage builds only its part of them."""
 
-    def __init__(self, config: Any, max_position: int) -> None:
+    def __init__(self, config: Any, max_position: int, stage: PipelineStage | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.stage = stage or PipelineStage.whole(config.num_hidden_layers)
+        # The last stage of a tied model keeps the table too: it is that stage's LM head.
+        if self.stage.is_first or (self.stage.is_last and getattr(config, "tie_word_embeddings", False)):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = get_rope(config, _head_dim(config), max_position)  # buffers only, no weights
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) if self.stage.start <= i < self.stage.end else MissingLayer()
+            for i in range(config.num_hidden_layers)
+        )
+        self.stage_layers = tuple(self.layers[self.stage.start : self.stage.end])  # sliced once, not per step
+        if self.stage.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[T] ids at [T] positions -> final hidden states [T, hidden]."""
-        hidden_states = self.embed_tokens(input_ids)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[T] ids at [T] positions -> final hidden states [T, hidden].
+
+        A later pipeline stage starts from hidden_states, the residual stream the stage before it returned
+        (the sum the next layer's fused add-norm would form: bit-equal to carrying both halves).
+        """
+        if hidden_states is None:
+            hidden_states = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual = None
-        for layer in self.layers:
+        for layer in self.stage_layers:
             hidden_states, residual = layer(rope, hidden_states, residual)
+        if not self.stage.is_last:
+            return hidden_states + residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -159,7 +179,9 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Any, max_model_len: int | None = None) -> None:
+    def __init__(
+        self, config: Any, max_model_len: int | None = None, stage: PipelineStage | None = None
+    ) -> None:
         super().__init__()
         max_model_len = max_model_len or config.max_position_embeddings
         window = sliding_window(config)
@@ -170,15 +192,28 @@ class LlamaForCausalLM(nn.Module):
                 f"implement; set max_model_len <= {window} (got {max_model_len})"
             )
         self.config = config
-        self.model = LlamaModel(config, max_position=max_model_len)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.model = LlamaModel(config, max_position=max_model_len, stage=stage)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        if self.model.stage.is_last:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if self.tie_word_embeddings:
+                self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [T, hidden] of packed tokens."""
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of packed tokens (a stage's output: see LlamaModel.forward)."""
+        return self.model(input_ids, positions, hidden_states)
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """True for a checkpoint tensor that another pipeline stage holds (the loader skips it)."""
+        stage = self.model.stage
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            return index < stage.num_layers and not stage.start <= index < stage.end
+        if name.startswith("model.embed_tokens."):
+            return not hasattr(self.model, "embed_tokens")
+        return name.startswith(("model.norm.", "lm_head.")) and not stage.is_last
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits (model dtype)."""
