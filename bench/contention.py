@@ -9,8 +9,8 @@ because OpenMP reads its thread count and wait policy once, when torch is import
   - with --peers-python (the `make bench-peers` venv), OpenVINO GenAI on the same workload, for scale.
 The workload is the chat workload (ignore_eos, so every run does the same work) at the engine's dtype.
 
-    flock /work/notes/bench.lock .venv/bin/python bench/contention.py
-    flock /work/notes/bench.lock .venv/bin/python bench/contention.py --peers-python .venv-peers/bin/python
+    .venv/bin/python bench/contention.py
+    .venv/bin/python bench/contention.py --peers-python .venv-peers/bin/python
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ For each precision beside fp32, on the chat workload of bench/engine_throughput.
     involved) and its relative delta to fp32's; targets: <= 1% bf16, <= 3% int8.
 A precision the engine cannot run yet is skipped with the reason.
 
-    flock /work/notes/bench.lock .venv/bin/python bench/quality.py
+    .venv/bin/python bench/quality.py
     .venv/bin/python bench/quality.py --num-prompts 16 --max-tokens 64        # quick
 """
 

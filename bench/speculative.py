@@ -20,8 +20,8 @@ verification, 1 + accepted / verifications), tok/s (generated tokens / wall time
 prefill included), per-token latency (per request: (finish - first token) / (tokens - 1), averaged),
 and the ratios against `off` at the same B; outputs are checked identical to `off` (greedy is exact).
 
-    flock /work/notes/bench.lock .venv/bin/python bench/speculative.py
-    flock /work/notes/bench.lock .venv/bin/python bench/speculative.py --batch-sizes 1 4 --rounds 2
+    .venv/bin/python bench/speculative.py
+    .venv/bin/python bench/speculative.py --batch-sizes 1 4 --rounds 2
 """
 
 from __future__ import annotations
