@@ -87,12 +87,13 @@ def test_a_job_past_its_window_expires_mid_run(cluster: Topology) -> None:
     workers = cluster.workers_exactly(2)
     logged_before = {name: len(cluster.log(name)) for name in workers}
     path = cluster.tmp / "expire.jsonl"
-    # Short requests finish inside the 2 s window; long ones (448 tokens) are still running when it closes,
-    # and keep their shards open across the workers' 1 s heartbeat checks.
+    # Short requests finish inside the 2 s window; long ones (448 tokens) are still running when it closes.
+    # Two shards of 32 (16 long ones each, two at a time: thousands of steps) keep both workers mid-shard
+    # past the window however fast the engine is, across the workers' 1 s heartbeat checks.
     ids = write_chat_requests(path, 64, max_tokens=448, short_tokens=8, prefix="expire")
     started = time.monotonic()
-    result = cluster.cli("submit", str(path), "--completion-window", "2s", "--wait", "--json", remote=True,
-                         check=False, timeout=60)
+    result = cluster.cli("submit", str(path), "--completion-window", "2s", "--shard-size", "32", "--wait",
+                         "--json", remote=True, check=False, timeout=60)
     assert result.returncode == 6, result.stdout + result.stderr  # 6: expired
     assert time.monotonic() - started < 20  # window + sweep interval + the workers letting go
     printed = orjson.loads(result.stdout.strip().splitlines()[-1])
