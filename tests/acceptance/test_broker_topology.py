@@ -88,11 +88,12 @@ def test_a_job_past_its_window_expires_mid_run(cluster: Topology) -> None:
     logged_before = {name: len(cluster.log(name)) for name in workers}
     path = cluster.tmp / "expire.jsonl"
     # Short requests finish inside the 2 s window; long ones (448 tokens) are still running when it closes.
-    # Two shards of 32 (16 long ones each, two at a time: thousands of steps) keep both workers mid-shard
-    # past the window however fast the engine is, across the workers' 1 s heartbeat checks.
-    ids = write_chat_requests(path, 64, max_tokens=448, short_tokens=8, prefix="expire")
+    # One shard of 128 (64 long ones, two at a time: ~14k steps, 10 s or more here) keeps its worker mid-shard
+    # well past the window and the worker's 1 s heartbeat check (smaller shards of the tiny model could
+    # finish between two checks, and then no in-flight request is left to abort).
+    ids = write_chat_requests(path, 128, max_tokens=448, short_tokens=8, prefix="expire")
     started = time.monotonic()
-    result = cluster.cli("submit", str(path), "--completion-window", "2s", "--shard-size", "32", "--wait",
+    result = cluster.cli("submit", str(path), "--completion-window", "2s", "--shard-size", "128", "--wait",
                          "--json", remote=True, check=False, timeout=60)
     assert result.returncode == 6, result.stdout + result.stderr  # 6: expired
     assert time.monotonic() - started < 20  # window + sweep interval + the workers letting go
