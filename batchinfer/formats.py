@@ -51,10 +51,9 @@ SAMPLING_FIELDS = frozenset({
     # vLLM extras
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
     "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens", "bad_words",
-    "allowed_token_ids", "truncate_prompt_tokens", "logit_bias", "prompt_logprobs",
+    "allowed_token_ids", "truncate_prompt_tokens", "logit_bias", "prompt_logprobs", "speculative_decoding",
     "structured_outputs",  # structured output; the other fields asking for it: structured_fields.py
-    "speculative_decoding",  # batchinfer: false opts the request out of the engine's speculative decoding
-})  # fmt: skip
+})  # fmt: skip  (speculative_decoding, batchinfer's: false opts a request out of speculation)
 CHAT_ONLY_FIELDS = CHAT_OPTION_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_ONLY_FIELDS = COMPLETION_OPTION_FIELDS | {"prompt", "logprobs"}
 ACCEPTED_IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream"})
