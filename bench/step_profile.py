@@ -31,11 +31,11 @@ from chat_workload import build_workload  # noqa: E402  (the shared workload def
 # torch.profiler op name fragments -> the bucket a step's time is reported in
 BUCKETS = [
     ("gemm", ("aten::linear", "aten::addmm", "aten::mm", "_weight_int8pack_mm", "_weight_int4pack",
-              "mkldnn_linear", "aten::matmul")),
+              "mkldnn_linear", "_linear_pointwise", "quantized::linear_dynamic", "aten::matmul")),
     ("attention", ("paged_decode_attention", "scaled_dot_product", "index_copy", "index_select")),
     ("norm/rotary/elementwise", ("aten::mul", "aten::add", "aten::pow", "aten::mean", "aten::rsqrt",
                                  "aten::cat", "aten::silu", "aten::sub", "aten::to", "aten::copy_",
-                                 "aten::neg", "rms_norm", "aten::embedding")),
+                                 "aten::neg", "rms_norm", "aten::embedding", "aten::div")),
 ]
 
 

@@ -123,17 +123,27 @@ class EngineConfig:
 
 
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bf16 dot products
+VNNI_CPU_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products summed into int32, no overflow
 
 
 @functools.cache
-def cpu_has_native_bf16() -> bool:
-    """True when this CPU computes bf16 dot products natively (a flag of NATIVE_BF16_CPU_FLAGS)."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's /proc/cpuinfo flags (empty where there is none: not Linux)."""
     try:
         with open("/proc/cpuinfo") as handle:
-            flags = next((line for line in handle if line.startswith("flags")), "").split()
-    except OSError:  # not Linux: stay with float32
-        return False
-    return any(flag in flags for flag in NATIVE_BF16_CPU_FLAGS)
+            return frozenset(next((line for line in handle if line.startswith("flags")), "").split())
+    except OSError:
+        return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU computes bf16 dot products natively (a flag of NATIVE_BF16_CPU_FLAGS)."""
+    return any(flag in cpu_flags() for flag in NATIVE_BF16_CPU_FLAGS)
+
+
+def cpu_has_vnni() -> bool:
+    """True when int8 dot products sum straight into int32 here (VNNI); AVX2's int16 pair sums saturate."""
+    return any(flag in cpu_flags() for flag in VNNI_CPU_FLAGS)
 
 
 def _require_int(name: str, value: object, *, minimum: int | None) -> None:

@@ -108,7 +108,8 @@ class ModelRunner:
             and cpu_attention.supports(self.dtype)
         )
         self.model = self._build_model()
-        pack_weights(self.model, self.device, config.quantization)  # CPU: oneDNN / int8 linear kernels
+        pack_weights(self.model, self.device, config.quantization,  # CPU: oneDNN / int8 linear kernels
+                     model_path=self.model_path, max_model_len=self.max_model_len)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim

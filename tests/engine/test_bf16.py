@@ -13,6 +13,7 @@ import torch
 
 from batchinfer.engine.config import EngineConfig, cpu_has_native_bf16
 from batchinfer.engine.layers import cpu_attention
+from batchinfer.engine.layers.weight_packing import onednn_supports
 from tests.engine.test_models import FakeSeq, ScatteredBlocks, make_runner, random_tokens, run_step
 
 needs_kernel = pytest.mark.skipif(cpu_attention.load() is None, reason="native CPU kernel not built here")
@@ -98,10 +99,15 @@ def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_it(tiny_llama: Path) -> No
     assert EngineConfig(model="m", device="cpu", dtype="float32").resolved_dtype() == torch.float32
 
 
-def test_bf16_linear_layers_are_prepacked_for_onednn(tiny_llama: Path) -> None:
-    """Every linear layer and the head get a oneDNN kernel; dense weights of the linears are released."""
+def test_bf16_linear_layers_are_prepacked_where_onednn_runs_bf16(tiny_llama: Path) -> None:
+    """With oneDNN bf16 (AVX-512), every linear and the head are prepacked and the linears' dense weights
+    released; without it (an AVX2-only CPU) they keep their dense weights and run F.linear."""
     runner = make_runner(tiny_llama, dtype="bfloat16")
     layer = runner.model.model.layers[0]
-    assert layer.self_attn.qkv_proj.packed is not None and runner.model.lm_head.packed is not None
-    assert layer.mlp.down_proj.weight.numel() == 0
     assert runner.model.lm_head.weight.numel() > 0  # the head's matrix stays (it may be the embedding)
+    if onednn_supports(torch.bfloat16):
+        assert layer.self_attn.qkv_proj.packed is not None and runner.model.lm_head.packed is not None
+        assert layer.mlp.down_proj.weight.numel() == 0
+    else:
+        assert layer.self_attn.qkv_proj.packed is None and runner.model.lm_head.packed is None
+        assert layer.mlp.down_proj.weight.dtype == torch.bfloat16 and layer.mlp.down_proj.weight.numel() > 0

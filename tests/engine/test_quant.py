@@ -1,7 +1,9 @@
-"""quantization="int8" (int8 weights, fbgemm dynamic int8 GEMMs on CPU): runs, tracks fp32, clear errors."""
+"""quantization="int8" (int8 weights, fbgemm dynamic int8 GEMMs on CPU): runs, tracks fp32, clear errors;
+its activation smoothing keeps the float function and brings int8 closer to it."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,9 @@ import torch
 
 from batchinfer.config import Settings
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.layers.weight_packing import int8_linear
+from batchinfer.engine.layers import int8_smoothing
+from batchinfer.engine.layers.context import AttentionContext, set_context
+from batchinfer.engine.layers.weight_packing import int8_linear, pack_for_cpu
 from tests.engine.test_models import FakeSeq, ScatteredBlocks, make_runner, random_tokens, run_step
 
 needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
@@ -29,6 +33,23 @@ def test_int8_linear_is_close_to_the_float_linear() -> None:
 
 
 @needs_fbgemm
+def test_per_token_int8_linear_keeps_an_outlier_row_from_spoiling_the_others() -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(48, 64, generator=gen) * 0.1, torch.randn(48, generator=gen)
+    x = torch.randn(9, 64, generator=gen)
+    x[0] *= 1000  # one token with massive activations, as on the first token of a Llama-family MLP
+    expected = torch.nn.functional.linear(x, weight, bias)
+
+    def error_of_the_other_rows(out: torch.Tensor) -> float:
+        return float((out[1:] - expected[1:]).abs().max() / expected[1:].abs().max())
+
+    per_token = int8_linear(weight, bias, per_token=True)(x)
+    assert error_of_the_other_rows(per_token) < 0.02
+    assert error_of_the_other_rows(per_token) < 0.1 * error_of_the_other_rows(int8_linear(weight, bias)(x))
+    assert float((per_token[0] - expected[0]).abs().max()) < 0.02 * float(expected[0].abs().max())
+
+
+@needs_fbgemm
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2"])  # untied head + no bias; tied head + qkv bias
 def test_int8_runner_tracks_fp32(request, name: str, dtype: str) -> None:
@@ -37,6 +58,9 @@ def test_int8_runner_tracks_fp32(request, name: str, dtype: str) -> None:
     quant = make_runner(path, dtype=dtype, quantization="int8")
     fp32 = make_runner(path, dtype="float32")
     assert quant.model.model.layers[0].mlp.gate_up_proj.packed is not None
+    # The runner smoothed (the norm weights carry the 1 / s); fp32 kept the checkpoint's.
+    norm_weights = [r.model.model.layers[0].input_layernorm.weight.float() for r in (quant, fp32)]
+    assert not torch.allclose(*norm_weights)
     vocab = fp32.hf_config.vocab_size
     prompts = [random_tokens(vocab, n + 5, seed=60 + n) for n in (4, 13)]
     results = []
@@ -81,3 +105,79 @@ def test_worker_command_has_dtype_and_quantization_options(monkeypatch, tmp_path
     assert result.exit_code != 0 and "bogus" in result.output
     result = CliRunner().invoke(worker, ["--quantization", "int4"])
     assert result.exit_code != 0 and "int4" in result.output
+
+
+def _load_float_model(path: Path) -> torch.nn.Module:
+    """The tiny model with its weights loaded and nothing packed (what pack_weights receives)."""
+    from batchinfer.engine.loader import load_hf_config, load_weights
+    from batchinfer.engine.models import get_model_class
+
+    hf_config = load_hf_config(path)
+    model = get_model_class(hf_config)(hf_config, 128)
+    load_weights(model, path)
+    return model.eval()
+
+
+@torch.inference_mode()
+def _dense_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    empty = torch.empty(0, dtype=torch.int32)
+    set_context(AttentionContext(empty, empty, empty, empty, len(ids), len(ids), "dense"))
+    try:
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)))
+    finally:
+        set_context(None)
+    return model.compute_logits(hidden).float()
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2"])  # untied head + no bias; tied head + qkv bias
+def test_smoothing_keeps_the_float_function(request, name: str) -> None:
+    """Folded into norms, v rows and up rows, smoothing changes the float logits by rounding only."""
+    path: Path = request.getfixturevalue(name)
+    model = _load_float_model(path)
+    vocab = model.config.vocab_size
+    ids = random_tokens(vocab, 24, seed=3)
+    expected = _dense_logits(model, ids)
+    calibration = int8_smoothing.calibration_token_ids(path, 128)
+    assert len(calibration) >= 2 and all(0 < len(c) <= 128 for c in calibration)  # cut to the context
+    assert int8_smoothing.smoothing_applies(model)
+    assert int8_smoothing.smooth_for_int8(model, calibration) == 4 * model.config.num_hidden_layers
+    smoothed = _dense_logits(model, ids)
+    assert float((smoothed - expected).abs().max()) <= 1e-4 * float(expected.abs().max())
+
+
+def _inject_outlier_channels(model: torch.nn.Module, factor: float = 64.0) -> None:
+    """Make one input channel of qkv_proj and gate_up_proj an outlier without changing the float function.
+
+    The norm weight of channel j grows by `factor` and the weight column j of its linear shrinks by it, as
+    trained Llama-family models have a few norm channels far larger than the rest.
+    """
+    for index, layer in enumerate(model.model.layers):
+        for norm, linear in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                             (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+            channel = (7 + 11 * index) % norm.weight.numel()
+            norm.weight.data[channel] *= factor
+            linear.weight.data[:, channel] /= factor
+
+
+@needs_fbgemm
+def test_smoothing_brings_int8_closer_to_float_with_outlier_channels(tiny_llama: Path) -> None:
+    model = _load_float_model(tiny_llama)
+    _inject_outlier_channels(model)
+    ids = random_tokens(model.config.vocab_size, 32, seed=4)
+    reference = torch.log_softmax(_dense_logits(model, ids), dim=-1)
+    plain, smoothed = copy.deepcopy(model), copy.deepcopy(model)
+    int8_smoothing.smooth_for_int8(smoothed, int8_smoothing.calibration_token_ids(tiny_llama, 128))
+    kls = []
+    for quantized in (plain, smoothed):
+        pack_for_cpu(quantized, "int8")
+        low = torch.log_softmax(_dense_logits(quantized, ids), dim=-1)
+        kls.append(float((reference.exp() * (reference - low)).sum(dim=-1).mean()))
+    plain_kl, smoothed_kl = kls
+    assert smoothed_kl < 0.5 * plain_kl, f"smoothing did not help: KL {plain_kl:.5f} -> {smoothed_kl:.5f}"
+
+
+def test_smoothing_is_skipped_under_tensor_parallelism(monkeypatch, tiny_llama: Path) -> None:
+    model = _load_float_model(tiny_llama)
+    assert int8_smoothing.smoothing_applies(model)
+    monkeypatch.setattr(int8_smoothing, "tp_world_size", lambda: 2)
+    assert not int8_smoothing.smoothing_applies(model)

@@ -38,10 +38,14 @@ def torch_paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    if plan.store_rows is not None:
-        k, v = k.index_select(0, plan.store_rows), v.index_select(0, plan.store_rows)
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.store_slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.store_slots, v)
+    ops = cpu_attention.fused_ops_for(k_cache)
+    if ops is not None and k.stride(-1) == 1 and k.stride(-2) == head_dim and v.stride(-2) == head_dim:
+        ops.store_kv_(k, v, k_cache, v_cache, plan.store_slots, plan.store_rows)  # one pass, no copies
+    else:
+        if plan.store_rows is not None:
+            k, v = k.index_select(0, plan.store_rows), v.index_select(0, plan.store_rows)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.store_slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.store_slots, v)
     k_blocks, v_blocks = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
     out = torch.empty_like(q)
     native = plan.native_decode

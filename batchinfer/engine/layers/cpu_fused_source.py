@@ -1,13 +1,16 @@
 """C++ source of fused CPU elementwise ops of a decoder layer, built into cpu_attention's extension.
 
-Why: rotary is 14 small torch ops per layer and SiLU-and-mul 3, each a dispatch plus a pass over memory;
+Why: rotary is 14 small torch ops per layer, SiLU-and-mul 3, add + RMSNorm 9, the K/V store 2-4
+(index_select, index_copy_) and int8's per-token row scaling 4, each a dispatch plus a pass over memory;
 these kernels do each in one pass (fp32, 32-1024 rows: rotary 79 -> 5 us, SiLU-and-mul 97 -> 14 us at 32
-rows). Values are float32 inside, rounded to the tensor's dtype where transformers rounds (silu(gate)
-before the product), so fp32 stays within float rounding of transformers. A fused add + RMSNorm was tried
-and dropped: scalar bf16 conversions made it no faster than torch's vectorized ops.
+rows). Values are float32 inside, rounded to the tensor's dtype where transformers rounds
+(silu(gate) before the product; the residual sum, and the normalized row before the weight), so fp32 stays
+within float rounding of transformers. The RMSNorm's elementwise part is compiled without -ffast-math so
+that w * (x * (1 / sqrt(var + eps))) keeps transformers' order and exact IEEE division; only the sum of
+squares is reassociated (torch's own vectorized sum orders it differently again).
 """
 
-FUSED_FUNCTIONS = ["rotary_", "silu_and_mul"]
+FUSED_FUNCTIONS = ["rotary_", "silu_and_mul", "rms_norm", "store_kv_", "scale_rows"]
 
 FUSED_SOURCE = r"""
 // Rotate (NeoX "rotate half") the first `heads` heads of each row of qkv [T, >= heads * D] in place:
@@ -76,5 +79,150 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   else
     TORCH_CHECK(false, "float32 or bfloat16");
   return out;
+}
+
+// Element conversions the compiler can vectorize: a bf16 is the high half of a float32 (widening is exact),
+// and narrowing rounds to nearest even on the bits, as torch's .to(bfloat16) does (NaN stays a quiet NaN).
+static inline float widen(float v) { return v; }
+static inline float widen(bf16 v) { return __builtin_bit_cast(float, uint32_t(v.x) << 16); }
+template <typename T> static inline T narrow(float v);
+template <> inline float narrow<float>(float v) { return v; }
+template <> inline bf16 narrow<bf16>(float v) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, v);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return bf16(static_cast<uint16_t>(v != v ? 0x7fc0u : rounded), bf16::from_bits());
+}
+
+// Sum of x[i]^2 over one row, in float32 (any order: -ffast-math vectorizes it).
+template <typename T>
+static float sum_of_squares(const T* x, int64_t H) {
+  float total = 0.f;
+  for (int64_t i = 0; i < H; ++i) {
+    const float v = widen(x[i]);
+    total += v * v;
+  }
+  return total;
+}
+
+// y = T(w * T(x * (1 / sqrt(mean + eps)))): exact IEEE arithmetic in transformers' order (no fast-math).
+template <typename T>
+__attribute__((optimize("no-fast-math"))) static void scale_row(const T* x, const T* w, T* y, int64_t H,
+                                                                 float sumsq, float eps) {
+  const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) {
+    const float normed = widen(narrow<T>(widen(x[i]) * inv));
+    y[i] = narrow<T>(widen(w[i]) * normed);
+  }
+}
+
+template <typename T>
+static void rms_norm_impl(const T* x, const T* residual, T* sum, const T* w, T* y, int64_t rows, int64_t H,
+                          float eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * H;
+      if (residual != nullptr) {  // the residual stream: sum = T(x + residual), then normalize the sum
+        T* s = sum + r * H;
+        const T* res = residual + r * H;
+        for (int64_t i = 0; i < H; ++i) s[i] = narrow<T>(widen(row[i]) + widen(res[i]));
+        row = s;
+      }
+      scale_row<T>(row, w, y + r * H, H, sum_of_squares<T>(row, H), eps);
+    }
+  });
+}
+
+// RMSNorm of x [T, H] (or of x + residual, returned too as the next residual): [y] or [y, x + residual].
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                    torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && weight.is_contiguous() && weight.numel() == x.size(1),
+              "contiguous x [T, H] and weight [H]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight of one dtype");
+  const bool add = residual.has_value();
+  if (add)
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
+                residual->scalar_type() == x.scalar_type(), "residual like x");
+  auto y = torch::empty_like(x);
+  auto sum = add ? torch::empty_like(x) : x;
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_impl<float>(x.data_ptr<float>(), add ? residual->data_ptr<float>() : nullptr,
+                         sum.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), x.size(0),
+                         x.size(1), static_cast<float>(eps));
+  else if (x.scalar_type() == at::kBFloat16)
+    rms_norm_impl<bf16>(x.data_ptr<bf16>(), add ? residual->data_ptr<bf16>() : nullptr, sum.data_ptr<bf16>(),
+                        weight.data_ptr<bf16>(), y.data_ptr<bf16>(), x.size(0), x.size(1),
+                        static_cast<float>(eps));
+  else
+    TORCH_CHECK(false, "float32 or bfloat16");
+  if (add) return {y, sum};
+  return {y};
+}
+
+// Write row rows[i] (i when rows is absent) of k and v [T, Hkv, D] into cache slot slots[i] of k_cache and
+// v_cache [blocks, block_size, Hkv, D]: index_select + index_copy_ in one pass, reading k/v in place (they
+// are strided views of the qkv projection).
+void store_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+               torch::Tensor slots, c10::optional<torch::Tensor> rows) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
+              k.stride(1) == k.size(2) && v.stride(1) == v.size(2), "k, v [T, Hkv, D], rows of Hkv * D");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+              k_cache.size(2) * k_cache.size(3) == k.size(1) * k.size(2) &&
+              v_cache.sizes() == k_cache.sizes(),
+              "caches [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
+              v_cache.scalar_type() == k.scalar_type(), "k, v and the caches of one dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "int64 slots");
+  const int64_t n = slots.numel(), width = k.size(1) * k.size(2);
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* row = nullptr;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->numel() == n,
+                "int64 rows");
+    row = rows->data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(n == k.size(0), "one slot per token");
+  }
+  for (int64_t i = 0; i < n; ++i) {  // checked before any write: a bad slot leaves the cache untouched
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "slot out of the cache");
+    TORCH_CHECK(row == nullptr || (row[i] >= 0 && row[i] < k.size(0)), "row out of k");
+  }
+  const int64_t bytes = width * k.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = row == nullptr ? i : row[i];
+    std::memcpy(kc + slot[i] * bytes, kp + r * ks, bytes);
+    std::memcpy(vc + slot[i] * bytes, vp + r * vs, bytes);
+  }
+}
+
+// Each row of x [T, K] float32 divided by its max |x| (at least `floor`): [x / m, m [T, 1]] (int8's
+// per-token input scaling, exact IEEE division like torch's).
+__attribute__((optimize("no-fast-math"))) static void scale_rows_impl(const float* x, float* y, float* m,
+                                                                      int64_t rows, int64_t K, float floor) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * K;
+      float peak = 0.f;
+      for (int64_t i = 0; i < K; ++i) peak = std::max(peak, std::fabs(row[i]));
+      peak = std::max(peak, floor);
+      m[r] = peak;
+      float* out = y + r * K;
+      for (int64_t i = 0; i < K; ++i) out[i] = row[i] / peak;
+    }
+  });
+}
+
+std::vector<torch::Tensor> scale_rows(torch::Tensor x, double floor) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == at::kFloat, "float32 [T, K]");
+  auto y = torch::empty_like(x);
+  auto m = torch::empty({x.size(0), 1}, x.options());
+  scale_rows_impl(x.data_ptr<float>(), y.data_ptr<float>(), m.data_ptr<float>(), x.size(0), x.size(1),
+                  static_cast<float>(floor));
+  return {y, m};
 }
 """

@@ -5,12 +5,17 @@ on non-Intel CPUs; oneDNN's JIT kernels use AVX-512 there and run the same fp32 
 LM head of SmolLM2-135M at 8 rows: 12 ms -> 2.6 ms), and with a weight prepacked into oneDNN's blocked
 layout bf16 runs another 1.2-1.8x faster than bf16 F.linear. int8 (quantization="int8") stores each weight
 per output channel in int8 and runs fbgemm's dynamic-quantized GEMM (activations quantized per call and
-per tensor, VNNI): 1.5-2x bf16's speed at the batch sizes of a decode step. Its error is mostly the
-per-tensor activation scale (weight-only int8 alone keeps the KL to fp32 at ~0.004; with activations it is
-~0.08, mean log-prob of a fixed text within 2.4% of fp32); the LM head is int8 too (it costs no quality).
+per tensor): 1.5-2x bf16's speed at the batch sizes of a decode step. Its error is mostly the per-tensor
+activation scale (weight-only int8 alone keeps the KL to fp32 at ~0.004), so two things keep it in check:
+int8_smoothing folds per-channel activation smoothing into the weights once at load (channel outliers of
+the norm outputs and of v), and down_proj's input, whose outliers sit on a few tokens rather than in a few
+channels, is quantized per token (each row scaled to max 1 around the per-tensor GEMM). On SmolLM2-135M
+without VNNI that takes bench/quality.py's fixed-text mean log-prob from 32% off fp32 to 2.3%. The LM head
+is int8 too (about 1% of that delta).
 
 pack_for_cpu(model, quantization) sets each LinearBase / ParallelLMHead's `packed` callable (x -> y with
-its bias); the modules fall back to F.linear when it is None (CUDA, float16, BATCHINFER_CPU_LINEAR=aten).
+its bias); the modules fall back to F.linear when it is None (CUDA, float16, bf16 on a CPU without AVX-512,
+BATCHINFER_CPU_LINEAR=aten).
 The dense weight of a packed linear is released (the LM head's stays: it may be the tied embedding).
 """
 
@@ -19,14 +24,17 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from batchinfer.engine.config import QUANTIZATIONS
+from batchinfer.engine.config import QUANTIZATIONS, cpu_has_vnni
+from batchinfer.engine.layers.cpu_attention import fused_ops_for
 
 CPU_LINEAR_ENV = "BATCHINFER_CPU_LINEAR"  # "onednn" (default) or "aten" (plain F.linear, for A/B runs)
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+TINY_ROW_MAX = 1e-12  # an all-zero row divides by this instead of 0 (it stays all zero)
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -44,26 +52,49 @@ def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn:
     return forward
 
 
-def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn:
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, per_token: bool = False) -> LinearFn:
     """x -> x @ dequant(W_int8).T + bias: per-output-channel symmetric int8 weights, fbgemm dynamic GEMM.
 
-    Activations are quantized per call (per tensor, asymmetric uint8, full range: VNNI has no overflow);
-    the output comes back in x's dtype.
+    Activations are quantized per call (per tensor, asymmetric uint8); full range with VNNI, 7 bits
+    without it (AVX2 sums u8 x s8 pairs in saturating int16: full-range activations overflow there, a
+    10% error). per_token: each row of x is divided by its max |x| before the GEMM and its output row
+    multiplied back, so a row with outliers no longer sets the quantization step of the others (an
+    elementwise pass over x and y; the bias is added after). The output comes back in x's dtype.
     """
+    reduce_range = not cpu_has_vnni()
     w = weight.detach().float()
     scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
     zero_points = torch.zeros(w.shape[0], dtype=torch.long)
+    float_bias = None if bias is None else bias.detach().float()
     with warnings.catch_warnings():  # quantize_per_channel is deprecated upstream; fbgemm still needs it
         warnings.simplefilter("ignore")
         qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
-        packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
+        packed = torch.ops.quantized.linear_prepack(qweight, None if per_token else float_bias)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).float()
-        out = torch.ops.quantized.linear_dynamic(flat, packed, False)
+        if per_token:
+            ops = fused_ops_for(flat)
+            if ops is not None and flat.is_contiguous():
+                scaled, row_max = ops.scale_rows(flat, TINY_ROW_MAX)  # one pass instead of four ops
+            else:
+                row_max = flat.abs().amax(dim=1, keepdim=True).clamp_(min=TINY_ROW_MAX)
+                scaled = flat / row_max
+            out = torch.ops.quantized.linear_dynamic(scaled, packed, reduce_range).mul_(row_max)
+            if float_bias is not None:
+                out += float_bias
+        else:
+            out = torch.ops.quantized.linear_dynamic(flat, packed, reduce_range)
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
     return forward
+
+
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """True when oneDNN runs this dtype's GEMMs here (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 def cpu_linear_mode() -> str:
@@ -88,19 +119,38 @@ def check_quantization(quantization: str | None, device: torch.device) -> None:
         raise ValueError(f"quantization={quantization!r} needs torch's fbgemm engine, absent from this build")
 
 
-def pack_weights(model: nn.Module, device: torch.device, quantization: str | None = None) -> int:
-    """Give every linear layer and the LM head its CPU kernel (nothing on CUDA); returns how many."""
+def pack_weights(
+    model: nn.Module,
+    device: torch.device,
+    quantization: str | None = None,
+    model_path: str | Path | None = None,
+    max_model_len: int | None = None,
+) -> int:
+    """Give every linear layer and the LM head its CPU kernel (nothing on CUDA); returns how many.
+
+    int8 given model_path (whose tokenizer reads the calibration text) and max_model_len first folds
+    activation smoothing into the weights when the whole model is on this rank (int8_smoothing); otherwise
+    it is plain int8.
+    """
     check_quantization(quantization, device)
     if device.type != "cpu":
         return 0
+    if quantization == "int8" and model_path is not None and max_model_len is not None:
+        from batchinfer.engine.layers import int8_smoothing
+
+        if int8_smoothing.smoothing_applies(model):
+            calibration = int8_smoothing.calibration_token_ids(model_path, max_model_len)
+            int8_smoothing.smooth_for_int8(model, calibration)
     return pack_for_cpu(model, quantization)
 
 
 def pack_for_cpu(model: nn.Module, quantization: str | None = None) -> int:
     """Give every linear layer and the LM head its CPU kernel; returns how many modules were packed."""
     from batchinfer.engine.layers.embed_head import ParallelLMHead
+    from batchinfer.engine.layers.int8_smoothing import per_token_input_layers
     from batchinfer.engine.layers.linear import LinearBase
 
+    per_token = per_token_input_layers(model) if quantization == "int8" else set()
     count = 0
     for module in model.modules():
         if not isinstance(module, LinearBase | ParallelLMHead):
@@ -110,8 +160,8 @@ def pack_for_cpu(model: nn.Module, quantization: str | None = None) -> int:
             continue
         bias = module.effective_bias() if isinstance(module, LinearBase) else None
         if quantization == "int8":
-            module.packed = int8_linear(weight, bias)
-        elif weight.dtype in ONEDNN_DTYPES and cpu_linear_mode() == "onednn":
+            module.packed = int8_linear(weight, bias, per_token=module in per_token)
+        elif onednn_supports(weight.dtype) and cpu_linear_mode() == "onednn":
             module.packed = onednn_linear(weight, bias)
         else:
             continue
