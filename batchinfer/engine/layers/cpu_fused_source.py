@@ -81,37 +81,51 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
-// Element conversions the compiler can vectorize: a bf16 is the high half of a float32 (widening is exact),
-// and narrowing rounds to nearest even on the bits, as torch's .to(bfloat16) does (NaN stays a quiet NaN).
-static inline float widen(float v) { return v; }
-static inline float widen(bf16 v) { return __builtin_bit_cast(float, uint32_t(v.x) << 16); }
-template <typename T> static inline T narrow(float v);
-template <> inline float narrow<float>(float v) { return v; }
-template <> inline bf16 narrow<bf16>(float v) {
-  const uint32_t u = __builtin_bit_cast(uint32_t, v);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return bf16(static_cast<uint16_t>(v != v ? 0x7fc0u : rounded), bf16::from_bits());
-}
+// Element access in float32 for a float or bf16 array (a bf16 is the high half of a float32: widening is
+// exact; narrowing rounds to nearest even like torch's .to(bfloat16), a NaN stays NaN). Macros, not
+// functions: the exact-arithmetic functions below are compiled without -ffast-math, and GCC does not inline
+// functions compiled with other options into them (a call per element would be 10x slower).
+#define IS_F32(T) std::is_same_v<T, float>
+#define BF16_BITS(f) ((__builtin_bit_cast(uint32_t, (f)) + 0x7fffu + ((__builtin_bit_cast(uint32_t, (f)) >> 16) & 1u)) >> 16)
+#define LOAD_F32(T, p, i) \
+  (IS_F32(T) ? reinterpret_cast<const float*>(p)[i] \
+             : __builtin_bit_cast(float, uint32_t(reinterpret_cast<const uint16_t*>(p)[i]) << 16))
+#define STORE_AS(T, p, i, f)                                                                     \
+  do {                                                                                           \
+    const float f_ = (f);                                                                        \
+    if constexpr (IS_F32(T)) reinterpret_cast<float*>(p)[i] = f_;                               \
+    else reinterpret_cast<uint16_t*>(p)[i] = uint16_t(f_ != f_ ? 0x7fc0u : BF16_BITS(f_));      \
+  } while (0)
+#define ROUND_AS(T, f) \
+  (IS_F32(T) ? (f) : ((f) != (f) ? (f) : __builtin_bit_cast(float, uint32_t(BF16_BITS(f)) << 16)))
 
-// Sum of x[i]^2 over one row, in float32 (any order: -ffast-math vectorizes it).
+// One row: sum = T(x + residual) when there is a residual; y = T(w * T(s * (1 / sqrt(mean(s^2) + eps))))
+// in exact IEEE arithmetic, transformers' order (no fast-math). The sum of squares runs in 8 lanes (other
+// than torch's order, which differs again; the difference is float rounding).
 template <typename T>
-static float sum_of_squares(const T* x, int64_t H) {
-  float total = 0.f;
-  for (int64_t i = 0; i < H; ++i) {
-    const float v = widen(x[i]);
+__attribute__((optimize("no-fast-math"))) static void rms_norm_row(const T* x, const T* res, T* sum,
+                                                                    const T* w, T* y, int64_t H, float eps) {
+  const T* row = x;
+  if (res != nullptr) {
+    for (int64_t i = 0; i < H; ++i) STORE_AS(T, sum, i, LOAD_F32(T, x, i) + LOAD_F32(T, res, i));
+    row = sum;
+  }
+  float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= H; i += 8)
+    for (int k = 0; k < 8; ++k) {
+      const float v = LOAD_F32(T, row, i + k);
+      lanes[k] += v * v;
+    }
+  float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  for (; i < H; ++i) {
+    const float v = LOAD_F32(T, row, i);
     total += v * v;
   }
-  return total;
-}
-
-// y = T(w * T(x * (1 / sqrt(mean + eps)))): exact IEEE arithmetic in transformers' order (no fast-math).
-template <typename T>
-__attribute__((optimize("no-fast-math"))) static void scale_row(const T* x, const T* w, T* y, int64_t H,
-                                                                 float sumsq, float eps) {
-  const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(H) + eps);
-  for (int64_t i = 0; i < H; ++i) {
-    const float normed = widen(narrow<T>(widen(x[i]) * inv));
-    y[i] = narrow<T>(widen(w[i]) * normed);
+  const float inv = 1.f / std::sqrt(total / static_cast<float>(H) + eps);
+  for (int64_t j = 0; j < H; ++j) {
+    const float normed = LOAD_F32(T, row, j) * inv;
+    STORE_AS(T, y, j, LOAD_F32(T, w, j) * ROUND_AS(T, normed));
   }
 }
 
@@ -119,16 +133,9 @@ template <typename T>
 static void rms_norm_impl(const T* x, const T* residual, T* sum, const T* w, T* y, int64_t rows, int64_t H,
                           float eps) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* row = x + r * H;
-      if (residual != nullptr) {  // the residual stream: sum = T(x + residual), then normalize the sum
-        T* s = sum + r * H;
-        const T* res = residual + r * H;
-        for (int64_t i = 0; i < H; ++i) s[i] = narrow<T>(widen(row[i]) + widen(res[i]));
-        row = s;
-      }
-      scale_row<T>(row, w, y + r * H, H, sum_of_squares<T>(row, H), eps);
-    }
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm_row<T>(x + r * H, residual == nullptr ? nullptr : residual + r * H,
+                      residual == nullptr ? nullptr : sum + r * H, w, y + r * H, H, eps);
   });
 }
 
@@ -207,9 +214,11 @@ __attribute__((optimize("no-fast-math"))) static void scale_rows_impl(const floa
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x + r * K;
-      float peak = 0.f;
-      for (int64_t i = 0; i < K; ++i) peak = std::max(peak, std::fabs(row[i]));
-      peak = std::max(peak, floor);
+      float peak = floor;  // builtins and ternaries only: no calls in a no-fast-math function
+      for (int64_t i = 0; i < K; ++i) {
+        const float a = __builtin_fabsf(row[i]);
+        peak = a > peak ? a : peak;
+      }
       m[r] = peak;
       float* out = y + r * K;
       for (int64_t i = 0; i < K; ++i) out[i] = row[i] / peak;
