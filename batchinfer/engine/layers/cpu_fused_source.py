@@ -86,7 +86,8 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 // functions: the exact-arithmetic functions below are compiled without -ffast-math, and GCC does not inline
 // functions compiled with other options into them (a call per element would be 10x slower).
 #define IS_F32(T) std::is_same_v<T, float>
-#define BF16_BITS(f) ((__builtin_bit_cast(uint32_t, (f)) + 0x7fffu + ((__builtin_bit_cast(uint32_t, (f)) >> 16) & 1u)) >> 16)
+#define F32_BITS(f) __builtin_bit_cast(uint32_t, (f))
+#define BF16_BITS(f) ((F32_BITS(f) + 0x7fffu + ((F32_BITS(f) >> 16) & 1u)) >> 16)
 #define LOAD_F32(T, p, i) \
   (IS_F32(T) ? reinterpret_cast<const float*>(p)[i] \
              : __builtin_bit_cast(float, uint32_t(reinterpret_cast<const uint16_t*>(p)[i]) << 16))
@@ -117,7 +118,8 @@ __attribute__((optimize("no-fast-math"))) static void rms_norm_row(const T* x, c
       const float v = LOAD_F32(T, row, i + k);
       lanes[k] += v * v;
     }
-  float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
   for (; i < H; ++i) {
     const float v = LOAD_F32(T, row, i);
     total += v * v;
