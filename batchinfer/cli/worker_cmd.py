@@ -56,19 +56,10 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
     settings = get_settings()
     model = model or settings.default_model
     LocalBackend(settings)  # migrates an embedded SQLite database on first use
-    overrides = {}
-    if device:
-        overrides["device"] = device
-    if tensor_parallel_size:
-        overrides["tensor_parallel_size"] = tensor_parallel_size
-    if dtype:
-        overrides["dtype"] = dtype
-    if quantization:
-        overrides["quantization"] = quantization
-    if pipeline_parallel_size:
-        overrides["pipeline_parallel_size"] = pipeline_parallel_size
-    if distributed_executor_backend:
-        overrides["distributed_executor_backend"] = distributed_executor_backend
+    options = {"device": device, "tensor_parallel_size": tensor_parallel_size, "dtype": dtype,
+               "quantization": quantization, "pipeline_parallel_size": pipeline_parallel_size,
+               "distributed_executor_backend": distributed_executor_backend}
+    overrides = {name: value for name, value in options.items() if value}  # options given on the command line
     process.process_model = model
     process.process_engine_overrides = overrides
     process.process_metrics_port = metrics_port if metrics_port is not None else settings.worker_metrics_port

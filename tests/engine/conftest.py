@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from batchinfer.engine import LLM
 
@@ -30,3 +31,12 @@ def make_llm() -> Iterator[Any]:
         assert not llm.engine.has_unfinished()
         llm.engine.block_manager.check_invariants([])  # every ref count back to zero
         assert llm.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def single_thread() -> Iterator[None]:
+    """One torch thread for a module: on a shared 2-core machine more threads only contend (3-5x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -7,7 +7,7 @@ import torch
 
 from batchinfer.engine import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 MAX_NEW = 32
 QUESTIONS = [
@@ -20,15 +20,6 @@ QUESTIONS = [
     "What does a CPU do?",
     "Translate 'good morning' into Spanish.",
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """One thread: on a shared 2-core machine more threads only contend (measured 3-5x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_chat_batch_equals_transformers_greedy(smollm2) -> None:

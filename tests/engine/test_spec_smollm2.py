@@ -7,12 +7,11 @@ smaller SmolLM2): it shows the draft path on a real model; its acceptance is mod
 from __future__ import annotations
 
 import pytest
-import torch
 
 from batchinfer.engine import LLM, SamplingParams
 from batchinfer.engine.spec_decode.truncated_draft import write_truncated_draft
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 MAX_NEW = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -26,15 +25,6 @@ CONVERSATIONS = [[{"role": "user", "content": f"{t}\nQuote the ticket word for w
 # Small blocks and budget: preemption and chunked prefill happen while sequences speculate.
 ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 512, "num_kv_blocks": 20, "block_size": 8,
           "max_num_batched_tokens": 48}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """One thread: on a shared 2-core machine more threads only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

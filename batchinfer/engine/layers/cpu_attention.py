@@ -221,11 +221,9 @@ TORCH_LOCK_NAME = "lock"  # torch.utils.file_baton's lock: a plain file that a k
 
 
 def _cpu_tag() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            flags = next((line for line in handle if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
+    from batchinfer.engine.config import cpu_flags
+
+    flags = " ".join(sorted(cpu_flags()))
     return hashlib.sha256(f"{platform.machine()}{flags}{_SOURCE}{FUSED_SOURCE}".encode()).hexdigest()[:12]
 
 
