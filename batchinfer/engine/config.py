@@ -42,6 +42,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # stages of layers (pp_runner.py); x tensor_parallel_size ranks in all
     distributed_executor_backend: str = "mp"  # EXECUTOR_BACKENDS; "ray" joins a running Ray cluster
+    # CPU, one rank: lower the thread count while other work keeps some of our cores busy (threads.py).
+    adaptive_threads: bool = True
     # Speculative decoding: {"method": "ngram" | "draft_model", ...} (spec_decode/config.py); None: off.
     # Validated into a SpeculativeConfig here, so errors name speculative_config.<key>.
     speculative_config: Any = None

@@ -42,6 +42,7 @@ from batchinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchinfer.engine.spec_decode.speculator import Speculator
 from batchinfer.engine.stop import check_stop
 from batchinfer.engine.structured import GrammarBackend, GrammarState
+from batchinfer.engine.threads import ThreadGovernor, governor_ceiling
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # with nothing else to run, how long one step waits for a grammar to compile
@@ -88,6 +89,21 @@ class Engine:
         self.grammar_backend: GrammarBackend | None = None  # made by the first constrained request
         self._prompt_logprob_requests: set[str] = set()  # whose prompt logprobs are still being computed
         self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests still compiling, in order
+        self.thread_governor = self._make_thread_governor()
+
+    def _make_thread_governor(self) -> ThreadGovernor | None:
+        """The CPU thread governor of a one-rank CPU engine whose count may vary; None otherwise."""
+        config = self.config
+        if (not config.adaptive_threads or str(self.model_runner.device) != "cpu"
+                or config.tensor_parallel_size * config.pipeline_parallel_size > 1):
+            return None  # the parallel runners give each rank its own share of the cores
+        import torch
+
+        current = torch.get_num_threads()
+        ceiling = governor_ceiling(current)
+        if ceiling <= 1:
+            return None
+        return ThreadGovernor(ceiling=ceiling, current=current, set_threads=torch.set_num_threads)
 
     def close(self) -> None:
         """Release what outlives a step: tensor-parallel worker processes, the grammar compile thread."""
@@ -277,6 +293,8 @@ class Engine:
                      return_when=FIRST_COMPLETED)
             return outputs  # or everything runnable was preempted this step; it is readmitted on the next
         recorder.num_steps += 1
+        if self.thread_governor is not None:
+            recorder.metrics.record_cpu_threads(self.thread_governor.tick())
         scheduled_time = time.time()
         counts = prompt_logprobs.logits_counts(scheduled) if self._prompt_logprob_requests else None
         if speculative is None:

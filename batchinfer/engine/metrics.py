@@ -143,6 +143,7 @@ class _Families:
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Generated tokens of a finished request.",
                                                    REQUEST_TOKEN_BUCKETS)
+        self.cpu_threads = gauge("cpu_threads", "Threads the engine's CPU work runs on now (threads.py).")
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           TOKEN_BUCKETS)
 
@@ -198,11 +199,16 @@ class EngineMetrics:
         self._request_prompt_tokens = fam.request_prompt_tokens.labels(*values)
         self._request_generation_tokens = fam.request_generation_tokens.labels(*values)
         self._iteration_tokens = fam.iteration_tokens.labels(*values)
+        self._cpu_threads = fam.cpu_threads.labels(*values)
 
     def record_cache_config(self, *, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
         """Publish the KV cache's configuration as vLLM's cache_config_info (one series, value 1)."""
         self._families.cache_config.labels(self.model_name, self.engine, str(block_size), str(num_blocks),
                                            str(enable_prefix_caching)).set(1)
+
+    def record_cpu_threads(self, threads: int) -> None:
+        """The thread count a CPU engine runs on now."""
+        self._cpu_threads.set(threads)
 
     def record_step(self, stats: StepStats) -> None:
         """Fold one step's figures into the metrics."""

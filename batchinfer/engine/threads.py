@@ -22,15 +22,22 @@ bench/contention.py; the machine is shared, so single runs are noisy):
 - GOMP_SPINCOUNT=10000 with two threads when the load arrives after start: 42% kept (bf16; 91% in a
   noisier fp32 run), so the thread count chosen at start is what carries the target;
 - GOMP_SPINCOUNT=0 (pure PASSIVE), two threads: 93% kept contended, but ~33% fewer quiet tok/s (a futex
-  wake-up per parallel region): a user on a machine that gets busy later can set it.
-The thread count is chosen once, when the process starts: libgomp reads these variables only then.
+  wake-up per parallel region).
+
+libgomp reads the variables once, but the thread count of later parallel regions follows
+omp_set_num_threads (torch.set_num_threads) at any time. So while the engine runs, a ThreadGovernor
+re-chooses it from what the CPUs we may run on did over the last second (/proc/stat minus our own CPU
+time): one thread fewer for each core other work keeps busy, and back up when it leaves. It only lowers
+a count batchinfer chose (configure_openmp_env, or torch's default); a count the user set is a ceiling.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 
 # libgomp's wait policy: a waiting thread spins GOMP_SPINCOUNT iterations, then sleeps on a futex. A short
 # spin keeps the quiet speed (the next region usually starts within microseconds) while a thread waiting
@@ -39,6 +46,16 @@ OPENMP_WAIT_DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPIN
 # Other runnable tasks (besides this process) at start from which the machine counts as loaded.
 LOADED_AT_RUNNABLE = 1
 _LOADAVG = "/proc/loadavg"
+_PROC_STAT = "/proc/stat"
+# Names of the variables configure_openmp_env set itself, so that a child process (a worker it spawns)
+# can tell batchinfer's choice from the user's.
+CHOSEN_MARKER = "BATCHINFER_OPENMP_CHOSEN"
+# The governor's window, and the share of a core other work must keep busy over it to count as taking it.
+GOVERNOR_INTERVAL_S = 1.0
+BUSY_CORE_SHARE = 0.4
+# A new count is applied when this many consecutive windows agree on it (a short-lived task moves nothing).
+GOVERNOR_AGREEING_WINDOWS = 2
+logger = logging.getLogger(__name__)
 
 
 def usable_cores() -> int:
@@ -93,4 +110,98 @@ def configure_openmp_env(environ: MutableMapping[str, str] | None = None) -> dic
         if name not in env:
             env[name] = value
             applied[name] = value
+    if applied:
+        env[CHOSEN_MARKER] = ",".join(sorted(applied))
     return applied
+
+
+def governor_ceiling(current: int, environ: MutableMapping[str, str] | None = None) -> int:
+    """The most threads the governor may run: all usable cores where configure_openmp_env chose the
+    count now in force (it may have taken one fewer at start), else the count in force (the user's)."""
+    env = os.environ if environ is None else environ
+    chose = "OMP_NUM_THREADS" in env.get(CHOSEN_MARKER, "").split(",")
+    if chose and env.get("OMP_NUM_THREADS") == str(current):
+        return usable_cores()
+    return current
+
+
+def busy_cpu_seconds(cpus: set[int], stat_text: str) -> float:
+    """CPU time spent busy (not idle / iowait) on `cpus` since boot, from /proc/stat's per-CPU lines.
+
+    Busy = user + nice + system + irq + softirq + steal (guest time is already inside user); a CPU the
+    hypervisor stole counts as taken, like one another process holds.
+    """
+    ticks = 0
+    for line in stat_text.splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        fields = [int(x) for x in rest.split()]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        ticks += user + nice + system + irq + softirq + steal
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def read_proc_stat() -> str:
+    """/proc/stat's text ('' where there is none)."""
+    try:
+        with open(_PROC_STAT) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def own_cpu_seconds() -> float:
+    """User + system CPU time of this process, all its threads."""
+    times = os.times()
+    return times.user + times.system
+
+
+def threads_beside(other_busy_cores: float, *, cores: int, ceiling: int) -> int:
+    """Threads to run beside other work keeping `other_busy_cores` of our cores busy: one fewer per core
+    it takes (a core counts from BUSY_CORE_SHARE of it), at most `ceiling`, at least 1."""
+    taken = math.floor(other_busy_cores + 1.0 - BUSY_CORE_SHARE)
+    return max(1, min(ceiling, cores - taken))
+
+
+class ThreadGovernor:
+    """Re-chooses the engine's thread count while it runs, from what other work did on our CPUs.
+
+    tick() is called once per engine step and costs a clock read until a window (GOVERNOR_INTERVAL_S)
+    has passed; then it compares the busy time of our CPUs with our own CPU time over the window.
+    Invariant: the count it sets is always within [1, ceiling].
+    """
+
+    def __init__(self, *, ceiling: int, set_threads: Callable[[int], None], current: int,
+                 cpus: set[int] | None = None, interval_s: float = GOVERNOR_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic, read_stat: Callable[[], str] = read_proc_stat,
+                 own_cpu: Callable[[], float] = own_cpu_seconds) -> None:
+        self.cpus = cpus if cpus is not None else set(os.sched_getaffinity(0))
+        self.ceiling = max(1, min(ceiling, len(self.cpus)))
+        self.threads = current
+        self.other_busy_cores = 0.0  # over the last window, for metrics and logs
+        self._set_threads, self._interval_s, self._clock = set_threads, interval_s, clock
+        self._read_stat, self._own_cpu = read_stat, own_cpu
+        self._candidate, self._agreeing = current, 0
+        self._window = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        return self._clock(), busy_cpu_seconds(self.cpus, self._read_stat()), self._own_cpu()
+
+    def tick(self) -> int:
+        """Once per step: when a window has passed, re-choose and apply the thread count; the count now."""
+        if self._clock() - self._window[0] < self._interval_s:
+            return self.threads
+        (t0, busy0, own0), (t1, busy1, own1) = self._window, self._sample()
+        self._window = (t1, busy1, own1)
+        # Our CPU time includes spinning waits, so this undercounts others a little; never below 0.
+        self.other_busy_cores = max(0.0, ((busy1 - busy0) - (own1 - own0)) / max(t1 - t0, 1e-9))
+        wanted = threads_beside(self.other_busy_cores, cores=len(self.cpus), ceiling=self.ceiling)
+        self._agreeing = self._agreeing + 1 if wanted == self._candidate else 1
+        self._candidate = wanted
+        if wanted != self.threads and self._agreeing >= GOVERNOR_AGREEING_WINDOWS:
+            logger.info("engine threads %d -> %d: other work keeps %.2f of our %d cores busy",
+                        self.threads, wanted, self.other_busy_cores, len(self.cpus))
+            self._set_threads(wanted)
+            self.threads = wanted
+        return self.threads

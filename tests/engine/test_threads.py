@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from batchinfer.engine.threads import (
+    CHOSEN_MARKER,
     OPENMP_WAIT_DEFAULTS,
     choose_num_threads,
     configure_openmp_env,
@@ -33,6 +34,7 @@ def test_a_single_core_keeps_its_one_thread():
 def test_defaults_fill_an_empty_environment():
     env: dict[str, str] = {}
     applied = configure_openmp_env(env)
+    assert env.pop(CHOSEN_MARKER).split(",") == sorted(applied)  # so a child can tell ours from the user's
     assert applied == env
     for name, value in OPENMP_WAIT_DEFAULTS.items():
         assert env[name] == value
