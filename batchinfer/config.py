@@ -27,6 +27,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from batchinfer.engine.config import QUANTIZATIONS
+
 DEFAULT_DATA_DIR = Path(platformdirs.user_data_dir("batchinfer", appauthor=False))
 
 
@@ -172,8 +174,9 @@ class Settings(BaseSettings):
     # Engine knobs (the worker's defaults; see batchinfer.engine.config.EngineConfig).
     device: str = "auto"
     dtype: str = "auto"
-    quantization: Literal["int8"] | None = Field(
-        None, description="int8: per-channel int8 weights, dynamic int8 GEMMs (CPU); unset: the dtype's.")
+    quantization: Literal[QUANTIZATIONS] | None = Field(  # type: ignore[valid-type]
+        None, description="int8: per-channel int8 weights, dynamic int8 GEMMs (CPU); gguf: a .gguf model's "
+                          "own Q4_0 / Q4_1 blocks (CPU); unset: the dtype's.")
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(4096, ge=16)
     max_model_len: int | None = None

@@ -17,6 +17,7 @@ import orjson
 
 from batchinfer.cli.output import emit, fail, json_option
 from batchinfer.config import get_settings
+from batchinfer.engine.config import QUANTIZATIONS
 from batchinfer.engine.errors import RankFailedError
 
 if TYPE_CHECKING:
@@ -34,8 +35,9 @@ def _setup_logging(level: str) -> None:
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None, help="GPUs per engine.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
               help="Weights and activations (default: settings.dtype; auto: bf16 where the CPU has it).")
-@click.option("--quantization", type=click.Choice(["int8"]), default=None,
-              help="int8: int8 weights and dynamic int8 GEMMs on CPU (default: settings.quantization).")
+@click.option("--quantization", type=click.Choice(list(QUANTIZATIONS)), default=None,
+              help="int8: int8 weights and dynamic int8 GEMMs on CPU; gguf: a .gguf model's own 4-bit "
+                   "blocks on CPU (default: settings.quantization).")
 @click.option("--pipeline-parallel-size", type=click.IntRange(min=1), default=None,
               help="Stages of layers (e.g. one per node).")
 @click.option("--distributed-executor-backend", type=click.Choice(["mp", "ray"]), default=None,

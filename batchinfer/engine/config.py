@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-QUANTIZATIONS = ("int8",)  # EngineConfig.quantization values besides None (layers/weight_packing.py)
+# EngineConfig.quantization values besides None (layers/weight_packing.py): int8 weights (fbgemm), or a
+# GGUF model's own Q4_0 / Q4_1 blocks (layers/gguf_weights.py)
+QUANTIZATIONS = ("int8", "gguf")
 EXECUTOR_BACKENDS = ("mp", "ray")  # how the ranks of a parallel engine start: local processes, Ray actors
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -33,7 +35,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30  # KV cache budget on CPU
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"  # auto = bfloat16 on CUDA and on CPUs with native bf16 (see resolved_dtype)
-    quantization: str | None = None  # None, or "int8": int8 weights, dynamic int8 GEMMs (CPU, fbgemm)
+    quantization: str | None = None  # None, "int8" (int8 weights, fbgemm), "gguf" (a .gguf's 4-bit blocks)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -81,6 +83,9 @@ class EngineConfig:
             raise ValueError(
                 f"quantization={self.quantization!r} runs on CPU only; got device {self.device!r}"
             )
+        if self.quantization == "gguf" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("quantization='gguf' runs with tensor_parallel_size=1 and "
+                             "pipeline_parallel_size=1 only; use quantization='int8' or none to split it")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}; "

@@ -69,6 +69,15 @@ def resolve_model_path(name_or_path: str | os.PathLike[str]) -> Path:
     )
 
 
+def gguf_source(name_or_path: str | os.PathLike[str]) -> Path | None:
+    """The .gguf file a model name stands for (an alias, or a .gguf path); None for any other model."""
+    name = os.fspath(name_or_path)
+    if name in ALIASES:
+        return _alias_gguf(name)
+    path = Path(name).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def _checked_hf_dir(path: Path) -> Path:
     if not (path / "config.json").is_file():
         raise ValueError(

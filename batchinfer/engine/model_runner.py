@@ -35,7 +35,7 @@ from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.attention_plan import build_torch_plan
 from batchinfer.engine.layers.context import AttentionContext, set_context
 from batchinfer.engine.layers.weight_packing import pack_weights
-from batchinfer.engine.loader import load_weights
+from batchinfer.engine.loader import gguf_source, load_weights
 from batchinfer.engine.models import get_model_class
 from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
 
@@ -97,6 +97,12 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
         self.model_path = model.path
+        # quantization="gguf" runs the file's own blocks: checked before any weight is loaded
+        self.gguf_path = gguf_source(config.model) if config.quantization == "gguf" else None
+        if config.quantization == "gguf" and self.gguf_path is None:
+            raise ValueError(f"quantization='gguf' runs a GGUF file's own 4-bit blocks, and model "
+                             f"{config.model!r} is not a .gguf file or an alias of one; use "
+                             f"quantization='int8' for this model")
         self.hf_config = model.hf_config
         self.max_model_len = model.max_model_len
         self.block_size = config.block_size
@@ -108,8 +114,9 @@ class ModelRunner:
             and cpu_attention.supports(self.dtype)
         )
         self.model = self._build_model()
-        pack_weights(self.model, self.device, config.quantization,  # CPU: oneDNN / int8 linear kernels
-                     model_path=self.model_path, max_model_len=self.max_model_len)
+        pack_weights(self.model, self.device, config.quantization,  # CPU: oneDNN / int8 / GGUF 4-bit kernels
+                     model_path=self.model_path, max_model_len=self.max_model_len,
+                     gguf_path=self.gguf_path)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from batchinfer.engine.layers.cpu_fused_source import FUSED_FUNCTIONS, FUSED_SOURCE
+from batchinfer.engine.layers.cpu_gguf_source import GGUF_FUNCTIONS, GGUF_SOURCE
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,8 @@ def _cpu_tag() -> str:
     from batchinfer.engine.config import cpu_flags
 
     flags = " ".join(sorted(cpu_flags()))
-    return hashlib.sha256(f"{platform.machine()}{flags}{_SOURCE}{FUSED_SOURCE}".encode()).hexdigest()[:12]
+    sources = _SOURCE + FUSED_SOURCE + GGUF_SOURCE
+    return hashlib.sha256(f"{platform.machine()}{flags}{sources}".encode()).hexdigest()[:12]
 
 
 def extension_name() -> str:
@@ -316,8 +318,8 @@ def load(*, wait_s: float = BUILD_WAIT_S) -> Any:
                 return None
             _extension = load_inline(
                 name=name,
-                cpp_sources=_SOURCE + FUSED_SOURCE,
-                functions=["paged_decode_attention", *FUSED_FUNCTIONS],
+                cpp_sources=_SOURCE + FUSED_SOURCE + GGUF_SOURCE,
+                functions=["paged_decode_attention", *FUSED_FUNCTIONS, *GGUF_FUNCTIONS],
                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),

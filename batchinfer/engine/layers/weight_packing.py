@@ -114,8 +114,12 @@ def check_quantization(quantization: str | None, device: torch.device) -> None:
             f"quantization: must be None or one of {', '.join(QUANTIZATIONS)}; got {quantization!r}"
         )
     if device.type != "cpu":
-        raise ValueError(f"quantization={quantization!r} runs on CPU only (fbgemm); got device {device}")
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise ValueError(f"quantization={quantization!r} runs on CPU only; got device {device}")
+    if quantization == "gguf":
+        from batchinfer.engine.layers.gguf_weights import gguf_kernel
+
+        gguf_kernel()
+    elif "fbgemm" not in torch.backends.quantized.supported_engines:
         raise ValueError(f"quantization={quantization!r} needs torch's fbgemm engine, absent from this build")
 
 
@@ -125,16 +129,25 @@ def pack_weights(
     quantization: str | None = None,
     model_path: str | Path | None = None,
     max_model_len: int | None = None,
+    gguf_path: str | Path | None = None,
 ) -> int:
     """Give every linear layer and the LM head its CPU kernel (nothing on CUDA); returns how many.
 
     int8 given model_path (whose tokenizer reads the calibration text) and max_model_len first folds
     activation smoothing into the weights when the whole model is on this rank (int8_smoothing); otherwise
-    it is plain int8.
+    it is plain int8. gguf runs the Q4_0 / Q4_1 tensors of gguf_path on their own 4-bit blocks
+    (gguf_weights) and the rest densely.
     """
     check_quantization(quantization, device)
     if device.type != "cpu":
         return 0
+    if quantization == "gguf":
+        from batchinfer.engine.layers.gguf_weights import pack_gguf_q4
+
+        if gguf_path is None:
+            raise ValueError("quantization='gguf' runs a GGUF file's own 4-bit blocks: load a .gguf model")
+        q4_modules, _ = pack_gguf_q4(model, gguf_path)
+        return pack_for_cpu(model, None, already_packed=q4_modules)
     if quantization == "int8" and model_path is not None and max_model_len is not None:
         from batchinfer.engine.layers import int8_smoothing
 
@@ -144,8 +157,12 @@ def pack_weights(
     return pack_for_cpu(model, quantization)
 
 
-def pack_for_cpu(model: nn.Module, quantization: str | None = None) -> int:
-    """Give every linear layer and the LM head its CPU kernel; returns how many modules were packed."""
+def pack_for_cpu(model: nn.Module, quantization: str | None = None,
+                 already_packed: set[nn.Module] | frozenset[nn.Module] = frozenset()) -> int:
+    """Give every linear layer and the LM head its CPU kernel; returns how many modules were packed.
+
+    Modules in already_packed have their kernel (gguf's 4-bit blocks); only their dense weight is released.
+    """
     from batchinfer.engine.layers.embed_head import ParallelLMHead
     from batchinfer.engine.layers.int8_smoothing import per_token_input_layers
     from batchinfer.engine.layers.linear import LinearBase
@@ -159,7 +176,9 @@ def pack_for_cpu(model: nn.Module, quantization: str | None = None) -> int:
         if weight.device.type != "cpu" or weight.numel() == 0:
             continue
         bias = module.effective_bias() if isinstance(module, LinearBase) else None
-        if quantization == "int8":
+        if module in already_packed:
+            pass  # its kernel is set; release its dense weight below
+        elif quantization == "int8":
             module.packed = int8_linear(weight, bias, per_token=module in per_token)
         elif onednn_supports(weight.dtype) and cpu_linear_mode() == "onednn":
             module.packed = onednn_linear(weight, bias)
