@@ -1,9 +1,9 @@
-"""quantization="gguf" (engine/layers/gguf_weights.py, cpu_gguf_source.py): the GGUF file's own 4-bit blocks.
+"""quantization="gguf" (engine/layers/gguf_weights.py, cpu_gguf_source.py): the GGUF file's own blocks.
 
-Block decoding on hand-made bytes, llama.cpp's Q/K row order undone, the q4_linear kernel against the
-de-quantized matmul at every batch shape it branches on, and the real SmolLM2 GGUF: every linear on its
-Q4_1 blocks, greedy output identical to fp32, and a layer whose loaded weight disagrees with its blocks
-refused at load.
+Block decoding on hand-made bytes, llama.cpp's Q/K row order undone, the Q4 / Q8 kernels against the
+de-quantized matmul at every batch shape they branch on, and the real SmolLM2 GGUF: every linear on its
+Q4_1 blocks, the tied embedding / LM head on its Q8_0 blocks, greedy output identical to fp32, and a layer
+whose loaded weight disagrees with its blocks refused at load.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import torch
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.layers.gguf_weights import (
+    BlockWeight,
     GGUFMismatchError,
-    decode_q4_blocks,
-    dequantize,
+    block_linear,
+    block_lookup,
+    decode_blocks,
     gguf_kernel,
-    pack_gguf_q4,
-    q4_linear,
+    pack_gguf_blocks,
     unpermute_rows,
 )
 from batchinfer.engine.llm_engine import Engine
@@ -35,18 +36,31 @@ def q4_1_block(d: float, m: float, codes: list[int]) -> bytes:
     return np.float16(d).tobytes() + np.float16(m).tobytes() + packed
 
 
-def test_q4_1_and_q4_0_blocks_decode_to_the_files_values():
+def test_q4_1_q4_0_and_q8_0_blocks_decode_to_the_files_values():
     codes_a, codes_b = list(range(16)) * 2, [15 - (j % 16) for j in range(32)]
     raw = np.frombuffer(q4_1_block(0.5, -2.0, codes_a) + q4_1_block(0.25, 1.0, codes_b), np.uint8)
-    q, d, m = decode_q4_blocks(raw.reshape(1, -1), "Q4_1", 64)
-    assert q[0].tolist() == codes_a + codes_b
-    assert d.tolist() == [[0.5, 0.25]] and m.tolist() == [[-2.0, 1.0]]
-    weight = dequantize(q, d, m)[0]
-    assert weight[:32].tolist() == [0.5 * c - 2.0 for c in codes_a]
-    assert weight[32:].tolist() == [0.25 * c + 1.0 for c in codes_b]
+    weight = decode_blocks(raw.reshape(1, -1), "Q4_1", 64)
+    assert weight.kind == "q4" and weight.shape == (1, 64)
+    assert weight.d.tolist() == [[0.5, 0.25]] and weight.m.tolist() == [[-2.0, 1.0]]
+    expected = [0.5 * c - 2.0 for c in codes_a] + [0.25 * c + 1.0 for c in codes_b]
+    assert weight.dequantize()[0].tolist() == expected
     q4_0 = np.frombuffer(np.float16(2.0).tobytes() + q4_1_block(0, 0, codes_a)[4:], np.uint8)
-    q, d, m = decode_q4_blocks(q4_0.reshape(1, -1), "Q4_0", 32)
-    assert dequantize(q, d, m)[0].tolist() == [2.0 * (c - 8) for c in codes_a]  # w = d * (q - 8)
+    weight = decode_blocks(q4_0.reshape(1, -1), "Q4_0", 32)
+    assert weight.dequantize()[0].tolist() == [2.0 * (c - 8) for c in codes_a]  # w = d * (q - 8)
+    signed = list(range(-16, 16))
+    q8_0 = np.frombuffer(np.float16(0.125).tobytes() + np.array(signed, np.int8).tobytes(), np.uint8)
+    weight = decode_blocks(np.stack([q8_0, q8_0]), "Q8_0", 32)
+    assert weight.kind == "q8" and weight.m is None
+    assert weight.dequantize().tolist() == [[0.125 * c for c in signed]] * 2
+
+
+def random_blocks(kind: str, rows: int, columns: int) -> BlockWeight:
+    groups = columns // 32
+    d = torch.rand(rows, groups) * 0.05
+    if kind == "q8":
+        return BlockWeight("q8", torch.randint(-128, 128, (rows, columns), dtype=torch.int8), d, None)
+    codes = torch.randint(0, 256, (rows, columns // 2), dtype=torch.uint8)
+    return BlockWeight("q4", codes, d, torch.randn(rows, groups) * 0.1)
 
 
 @pytest.mark.parametrize("n_head", [1, 3, 9])
@@ -58,25 +72,32 @@ def test_unpermute_rows_undoes_llama_cpps_rotary_permutation(n_head: int):
     assert torch.equal(stored[unpermute_rows(rows, n_head)], weight)
 
 
+@pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("inference", [True, False])
 @pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 64, 200])
-def test_the_kernel_equals_the_dequantized_matmul(rows: int, inference: bool):
+def test_the_kernels_equal_the_dequantized_matmul(kind: str, rows: int, inference: bool):
     """Up to 8 rows take the register path, more the tiled GEMM; N is no multiple of the tile."""
     gguf_kernel()
     torch.manual_seed(rows)
-    n, k = 300, 96
-    q = torch.randint(0, 16, (n, k), dtype=torch.int32)
-    d, m = torch.rand(n, k // 32) * 0.05, torch.randn(n, k // 32) * 0.1
-    bias = torch.randn(n)
-    linear = q4_linear(q, d, m, bias, torch.float32)
-    x = torch.randn(rows, k)
+    weight = random_blocks(kind, 300, 96)
+    bias = torch.randn(300)
+    linear = block_linear(weight, bias, torch.float32)
+    x = torch.randn(rows, 96)
     with torch.inference_mode(inference):
         out = linear(x)
-    expected = x @ dequantize(q, d, m).t() + bias
-    assert out.shape == (rows, n)
+    expected = x @ weight.dequantize().t() + bias
+    assert out.shape == (rows, 300)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
-    batched = linear(x.reshape(1, rows, k))  # [batch, T, K] callers keep working
-    torch.testing.assert_close(batched, expected.reshape(1, rows, n), rtol=1e-5, atol=1e-4)
+    batched = linear(x.reshape(1, rows, 96))  # [batch, T, K] callers keep working
+    torch.testing.assert_close(batched, expected.reshape(1, rows, 300), rtol=1e-5, atol=1e-4)
+
+
+def test_the_embedding_lookup_dequantizes_the_rows_asked_for():
+    weight = random_blocks("q8", 50, 64)
+    ids = torch.tensor([[3, 0], [49, 3]])
+    rows = block_lookup(weight, torch.float32)(ids)
+    assert rows.shape == (2, 2, 64)
+    assert torch.equal(rows, weight.dequantize()[ids])
 
 
 def test_quantization_gguf_needs_a_gguf_model(tiny_llama):
@@ -108,16 +129,18 @@ def generate(engine: Engine, prompts: list[str], max_tokens: int) -> list[list[i
     return [list(done[str(i)]) for i in range(len(prompts))]
 
 
-def test_every_smollm2_linear_runs_on_its_q4_blocks(smollm2_pair):
+def test_every_smollm2_matrix_runs_on_its_blocks(smollm2_pair):
     model = smollm2_pair["gguf"].model_runner.model
     layers = model.model.layers
     linears = [layer.get_submodule(name) for layer in layers
                for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
     assert len(linears) == 4 * len(layers) == 120
     for module in linears:
-        assert module.packed is not None and module.packed.__qualname__.startswith("q4_linear")
+        assert module.packed is not None and module.packed.__qualname__.startswith("block_linear")
         assert module.weight.numel() == 0  # the fp32 copy is released
-    assert model.lm_head.packed.__qualname__.startswith("onednn_linear")  # Q8_0 in this file: dense
+    # the tied embedding / LM head is Q8_0 in this file: both on its blocks, the fp32 table released
+    assert model.lm_head.packed.__qualname__.startswith("block_linear")
+    assert model.model.embed_tokens.lookup is not None and model.model.embed_tokens.weight.numel() == 0
 
 
 def test_greedy_output_equals_fp32(smollm2_pair):
@@ -132,6 +155,6 @@ def test_a_layer_that_disagrees_with_its_blocks_is_refused(smollm2, single_threa
         model = engine.model_runner.model
         model.model.layers[3].mlp.down_proj.weight.data[0, 0] += 0.5
         with pytest.raises(GGUFMismatchError, match=r"blk\.3\.ffn_down"):
-            pack_gguf_q4(model, gguf_source(SMOLLM2))
+            pack_gguf_blocks(model, gguf_source(SMOLLM2))
     finally:
         engine.close()

@@ -33,6 +33,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # Set after loading by quantization="gguf" (gguf_weights): ids -> rows de-quantized from the file's
+        # blocks, the dense table then released.
+        self.lookup: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
         """Copy this rank's vocab rows of the checkpoint table (tensor or safetensors slice) into param."""
@@ -45,6 +48,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, hidden]."""
+        if self.lookup is not None:
+            return self.lookup(input_ids)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)

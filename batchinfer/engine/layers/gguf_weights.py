@@ -1,25 +1,29 @@
-"""quantization="gguf": the linear layers run on the GGUF file's own 4-bit blocks instead of fp32 copies.
+"""quantization="gguf": the model runs on the GGUF file's own blocks instead of fp32 copies of them.
 
 A GGUF model is converted once to safetensors by de-quantizing its blocks (loader.py); without this mode
-the engine then runs fp32 weights, 7x the memory of the file's Q4 blocks. Here each linear whose GGUF
-tensors are Q4_0 or Q4_1 keeps the file's codes and scales and runs the extension's q4_linear
-(cpu_gguf_source.py), which computes x @ W.T with W = d * q + m per group of 32 input channels:
-  - Q4_1 block: fp16 d, fp16 m, 32 nibbles q;  w = d * q + m
-  - Q4_0 block: fp16 d, 32 nibbles q;          w = d * (q - 8), i.e. m = -8 d
-(nibble j < 16 of a block is the low half of byte j, nibble j >= 16 the high half of byte j - 16).
+the engine then runs fp32 weights, 4-7x the memory of the file. Here every matrix the file stores as
+Q4_0, Q4_1 or Q8_0 keeps the file's codes and scales, and runs through the extension's q4_linear /
+q8_linear (cpu_gguf_source.py):
+  - Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles;  w = d * q + m
+  - Q4_0 block: fp16 d, 16 bytes of nibbles;          w = d * (q - 8), i.e. m = -8 d
+  - Q8_0 block: fp16 d, 32 int8;                      w = d * q
+(in a Q4 block byte j holds element j in its low nibble and element j + 16 in its high nibble: the
+kernel reads that layout as it is). The linears of each decoder layer, the LM head and the token
+embedding (rows de-quantized as they are looked up) are covered; a tied head shares the embedding's blocks.
 So the weights are the same numbers the fp32 run uses (the de-quantized ones), and the output differs from
 fp32's by the order of the float sums only.
 
-Invariant checked at load: every layer's blocks, de-quantized here, equal (within float rounding) the
+Invariant checked at load: every matrix's blocks, de-quantized here, equal (within float rounding) the
 weight the loader de-quantized from the same file, before that weight is released. A tensor name or a row
 order we got wrong (llama.cpp stores Q and K rows permuted for its rotary layout; transformers undoes
-that) fails at load, naming the tensor, instead of producing wrong text. Tensors of other types (Q8_0,
-like SmolLM2's tied embedding / LM head, K-quants, F16, F32) keep the dense path.
+that) fails at load, naming the tensor, instead of producing wrong text. Tensors of other types
+(K-quants, F16, F32) keep the dense path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +31,10 @@ import numpy as np
 import torch
 from torch import nn
 
-GROUP_SIZE = 32  # elements per Q4_0 / Q4_1 block
-# bytes per block: scales first (fp16 d [, fp16 m]), then 16 bytes of nibbles
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
-# the largest |difference| from the loader's de-quantized weight, relative to the layer's max |w|
+GROUP_SIZE = 32  # elements per block in every supported format
+# bytes per block: the fp16 scale(s) first, then the codes
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# the largest |difference| from the loader's de-quantized weight, relative to the matrix's max |w|
 MATCH_TOLERANCE = 1e-5
 # weight rows one thread expands to float32 at a time for a GEMM (128 x 1536 floats: 768 KiB at most)
 TILE_ROWS = 128
@@ -51,7 +55,7 @@ class GGUFMismatchError(ValueError):
 
 
 def gguf_kernel() -> Any:
-    """The extension holding q4_linear; a ValueError saying why where it cannot be built."""
+    """The extension holding q4_linear / q8_linear; a ValueError saying why where it cannot be built."""
     from batchinfer.engine.layers.cpu_attention import load
 
     extension = load()
@@ -62,25 +66,64 @@ def gguf_kernel() -> Any:
     return extension
 
 
-def decode_q4_blocks(raw: np.ndarray, type_name: str, columns: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                            torch.Tensor]:
-    """[rows, blocks * bytes] uint8 -> (q int32 [rows, columns] in 0..15, d, m float32 [rows, groups])."""
+@dataclass(frozen=True)
+class BlockWeight:
+    """A [rows, columns] matrix in a GGUF block format, rows = output features, columns % 32 == 0.
+
+    codes: Q4 uint8 [rows, columns / 2] in GGUF's nibble layout, Q8 int8 [rows, columns];
+    d, m: float32 [rows, columns / 32] (m is None for Q8_0).
+    """
+
+    kind: str  # "q4" or "q8"
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, columns) of the matrix."""
+        return self.d.shape[0], self.d.shape[1] * GROUP_SIZE
+
+    def take_rows(self, index: torch.Tensor) -> BlockWeight:
+        """The matrix with its rows reordered / selected by index."""
+        m = None if self.m is None else self.m[index]
+        return BlockWeight(self.kind, self.codes[index], self.d[index], m)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix the blocks stand for."""
+        rows, columns = self.shape
+        groups = columns // GROUP_SIZE
+        if self.kind == "q8":
+            q = self.codes.reshape(rows, groups, GROUP_SIZE).float()
+            return (q * self.d[..., None]).reshape(rows, columns)
+        nibbles = self.codes.reshape(rows, groups, GROUP_SIZE // 2)
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
+        return (q * self.d[..., None] + self.m[..., None]).reshape(rows, columns)
+
+    @staticmethod
+    def stack(parts: list[BlockWeight]) -> BlockWeight:
+        """Row-stack matrices of one kind (a fused qkv / gate_up)."""
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        codes, d = torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts])
+        return BlockWeight(parts[0].kind, codes, d, m)
+
+
+def decode_blocks(raw: np.ndarray, type_name: str, columns: int) -> BlockWeight:
+    """A GGUF tensor's raw bytes ([rows, blocks * block bytes] uint8) -> its BlockWeight."""
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(rows, columns // GROUP_SIZE, BLOCK_BYTES[type_name])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if type_name == "Q8_0":
+        codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, columns)
+        return BlockWeight("q8", torch.from_numpy(codes), torch.from_numpy(d), None)
     if type_name == "Q4_1":
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         nibbles = blocks[..., 4:]
-    else:  # Q4_0: w = d * (q - 8), i.e. m = -8 d
+    else:  # Q4_0: w = d * (q - 8)
         m = -8.0 * d
         nibbles = blocks[..., 2:]
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, columns)
-    return torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(m)
-
-
-def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """The float weight of decoded blocks: d * q + m per group."""
-    return q.float() * d.repeat_interleave(GROUP_SIZE, dim=1) + m.repeat_interleave(GROUP_SIZE, dim=1)
+    codes = nibbles.reshape(rows, columns // 2).copy()  # the reader's arrays map the file read-only
+    return BlockWeight("q4", torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m))
 
 
 def unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
@@ -90,22 +133,21 @@ def unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(rows).reshape(n_head, half, 2).transpose(1, 2).reshape(rows)
 
 
-def q4_linear(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None,
-              dtype: torch.dtype) -> LinearFn:
-    """x -> x @ W.T + bias on the packed 4-bit codes, W = d * q + m per group of 32 (float32 inside)."""
+def block_linear(weight: BlockWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearFn:
+    """x -> x @ W.T + bias on the blocks (float32 inside, the result in `dtype`)."""
     kernel = gguf_kernel()
-    rows, columns = q.shape
-    groups = q.reshape(rows, columns // GROUP_SIZE, GROUP_SIZE).to(torch.uint8)
-    half = GROUP_SIZE // 2  # GGUF's layout: byte j holds element j (low nibble) and j + 16 (high nibble)
-    codes = (groups[..., :half] | (groups[..., half:] << 4)).reshape(rows, columns // 2).contiguous()
-    d, m = d.float().contiguous(), m.float().contiguous()
+    codes, d = weight.codes.contiguous(), weight.d.float().contiguous()
+    m = None if weight.m is None else weight.m.float().contiguous()
     bias = None if bias is None else bias.detach().float()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if flat.dtype != torch.float32 or flat.stride(-1) != 1:
             flat = flat.float().contiguous()
-        out = kernel.q4_linear(flat, codes, d, m, TILE_ROWS)
+        if m is None:
+            out = kernel.q8_linear(flat, codes, d, TILE_ROWS)
+        else:
+            out = kernel.q4_linear(flat, codes, d, m, TILE_ROWS)
         if bias is not None:
             out += bias
         return out.to(dtype).reshape(*x.shape[:-1], out.shape[-1])
@@ -113,57 +155,100 @@ def q4_linear(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Ten
     return forward
 
 
-def _layer_blocks(tensors: dict, layer: int, parts: tuple[str, ...], config) -> tuple | None:
-    """The decoded, row-stacked blocks of one fused module, or None where a part is not Q4_0 / Q4_1."""
-    qs, ds, ms = [], [], []
-    for part in parts:
-        tensor = tensors.get(f"blk.{layer}.{part}.weight")
+def block_lookup(weight: BlockWeight, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """ids -> their rows of the matrix, de-quantized (the token embedding)."""
+
+    def lookup(ids: torch.Tensor) -> torch.Tensor:
+        return weight.take_rows(ids.reshape(-1)).dequantize().to(dtype).reshape(*ids.shape, -1)
+
+    return lookup
+
+
+class _Reader:
+    """The GGUF file's tensors by name, decoded on request."""
+
+    def __init__(self, gguf_path: str | Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = gguf_path
+        self.tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+
+    def blocks(self, name: str) -> BlockWeight | None:
+        """The tensor as a BlockWeight, or None where it is absent or in another type."""
+        tensor = self.tensors.get(name)
         if tensor is None or tensor.tensor_type.name not in BLOCK_BYTES:
             return None
         columns = int(tensor.shape[0])  # GGUF lists the fastest dimension first: [in, out]
-        q, d, m = decode_q4_blocks(tensor.data, tensor.tensor_type.name, columns)
-        if part in ("attn_q", "attn_k"):
-            heads = config.num_attention_heads if part == "attn_q" else config.num_key_value_heads
-            order = unpermute_rows(q.shape[0], heads)
-            q, d, m = q[order], d[order], m[order]
-        qs.append(q)
-        ds.append(d)
-        ms.append(m)
-    return torch.cat(qs), torch.cat(ds), torch.cat(ms)
+        if columns % GROUP_SIZE:
+            return None
+        return decode_blocks(tensor.data, tensor.tensor_type.name, columns)
+
+    def layer_blocks(self, layer: int, parts: tuple[str, ...], config: Any) -> BlockWeight | None:
+        """The row-stacked blocks of one fused module, or None where a part is not in one block kind."""
+        found = []
+        for part in parts:
+            weight = self.blocks(f"blk.{layer}.{part}.weight")
+            if weight is None:
+                return None
+            if part in ("attn_q", "attn_k"):
+                heads = config.num_attention_heads if part == "attn_q" else config.num_key_value_heads
+                weight = weight.take_rows(unpermute_rows(weight.shape[0], heads))
+            found.append(weight)
+        return BlockWeight.stack(found) if len({w.kind for w in found}) == 1 else None
+
+    def check(self, blocks: BlockWeight, loaded: torch.Tensor, name: str, ours: str) -> None:
+        """Raise GGUFMismatchError unless the blocks reproduce the loaded weight."""
+        weight = loaded.detach().float()
+        if blocks.shape != tuple(weight.shape):
+            raise GGUFMismatchError(f"quantization='gguf': {name} has shape {blocks.shape}, the loaded "
+                                    f"{ours} {tuple(weight.shape)}")
+        error = (blocks.dequantize() - weight).abs().max().item()
+        if error > MATCH_TOLERANCE * max(weight.abs().max().item(), 1e-30):
+            raise GGUFMismatchError(
+                f"quantization='gguf': the blocks of {name} in {self.path} differ from the weight loaded "
+                f"from the same file by {error:.3g}; this architecture's tensor layout is not supported "
+                f"here: load it without quantization='gguf'")
 
 
-def pack_gguf_q4(model: nn.Module, gguf_path: str | Path) -> tuple[set[nn.Module], list[str]]:
-    """Give each linear stored as Q4_0 / Q4_1 in `gguf_path` its 4-bit kernel; (modules packed, skipped).
+def pack_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> tuple[set[nn.Module], list[str]]:
+    """Give each matrix stored in a block format in `gguf_path` its block kernel; (modules packed, skipped).
 
-    Raises GGUFMismatchError when a layer's blocks do not reproduce its loaded weight.
+    The dense weights of the packed modules are released (the embedding table too once the embedding and
+    a tied head both run on blocks). Raises GGUFMismatchError when blocks do not reproduce a loaded weight.
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    tensors = {t.name: t for t in reader.tensors}
+    reader = _Reader(gguf_path)
     config = model.config
     packed: set[nn.Module] = set()
     skipped: list[str] = []
-    for layer_index, layer in enumerate(model.model.layers):
+    for index, layer in enumerate(model.model.layers):
         for module_name, parts in GGUF_PARTS.items():
             module = layer.get_submodule(module_name)
-            blocks = _layer_blocks(tensors, layer_index, parts, config)
-            if blocks is None or module.weight.shape[1] % GROUP_SIZE:
-                skipped.append(f"layers.{layer_index}.{module_name}")
+            blocks = reader.layer_blocks(index, parts, config)
+            if blocks is None:
+                skipped.append(f"layers.{index}.{module_name}")
                 continue
-            q, d, m = blocks
-            weight = module.weight.detach().float()
-            if q.shape != weight.shape:
-                raise GGUFMismatchError(
-                    f"quantization='gguf': blk.{layer_index}.{'+'.join(parts)} has shape {tuple(q.shape)}, "
-                    f"the loaded layers.{layer_index}.{module_name} {tuple(weight.shape)}")
-            error = (dequantize(q, d, m) - weight).abs().max().item()
-            if error > MATCH_TOLERANCE * max(weight.abs().max().item(), 1e-30):
-                raise GGUFMismatchError(
-                    f"quantization='gguf': the blocks of blk.{layer_index}.{'+'.join(parts)} in {gguf_path} "
-                    f"differ from the weight loaded from the same file by {error:.3g}; this architecture's "
-                    f"tensor layout is not supported here: load it without quantization='gguf'")
-            bias = module.effective_bias()
-            module.packed = q4_linear(q, d, m, bias, module.weight.dtype)
+            name = f"blk.{index}.{'+'.join(parts)}"
+            reader.check(blocks, module.weight, name, f"layers.{index}.{module_name}")
+            module.packed = block_linear(blocks, module.effective_bias(), module.weight.dtype)
             packed.add(module)
+    embedding, head = model.model.embed_tokens, model.lm_head
+    table = reader.blocks("token_embd.weight")
+    if table is not None:
+        reader.check(table, embedding.weight, "token_embd", "embed_tokens")
+        embedding.lookup = block_lookup(table, embedding.weight.dtype)
+    tied = head.weight is embedding.weight
+    head_blocks = table if tied else reader.blocks("output.weight")
+    if head_blocks is not None:
+        if not tied:
+            reader.check(head_blocks, head.weight, "output", "lm_head")
+        head.packed = block_linear(head_blocks, None, head.weight.dtype)
+        packed.add(head)
+    else:
+        skipped.append("lm_head")
+    if table is None:
+        skipped.append("embed_tokens")
+    elif not tied or head_blocks is not None:  # nothing reads the dense table any more
+        embedding.weight.data = embedding.weight.data.new_empty(0)
+    if not tied and head_blocks is not None:
+        head.weight.data = head.weight.data.new_empty(0)
     return packed, skipped

@@ -135,19 +135,19 @@ def pack_weights(
 
     int8 given model_path (whose tokenizer reads the calibration text) and max_model_len first folds
     activation smoothing into the weights when the whole model is on this rank (int8_smoothing); otherwise
-    it is plain int8. gguf runs the Q4_0 / Q4_1 tensors of gguf_path on their own 4-bit blocks
+    it is plain int8. gguf runs the Q4_0 / Q4_1 / Q8_0 tensors of gguf_path on their own blocks
     (gguf_weights) and the rest densely.
     """
     check_quantization(quantization, device)
     if device.type != "cpu":
         return 0
     if quantization == "gguf":
-        from batchinfer.engine.layers.gguf_weights import pack_gguf_q4
+        from batchinfer.engine.layers.gguf_weights import pack_gguf_blocks
 
         if gguf_path is None:
             raise ValueError("quantization='gguf' runs a GGUF file's own 4-bit blocks: load a .gguf model")
-        q4_modules, _ = pack_gguf_q4(model, gguf_path)
-        return pack_for_cpu(model, None, already_packed=q4_modules)
+        block_modules, _ = pack_gguf_blocks(model, gguf_path)
+        return pack_for_cpu(model, None, already_packed=block_modules)
     if quantization == "int8" and model_path is not None and max_model_len is not None:
         from batchinfer.engine.layers import int8_smoothing
 
@@ -161,7 +161,7 @@ def pack_for_cpu(model: nn.Module, quantization: str | None = None,
                  already_packed: set[nn.Module] | frozenset[nn.Module] = frozenset()) -> int:
     """Give every linear layer and the LM head its CPU kernel; returns how many modules were packed.
 
-    Modules in already_packed have their kernel (gguf's 4-bit blocks); only their dense weight is released.
+    Modules in already_packed have their kernel (gguf's blocks); only their dense weight is released.
     """
     from batchinfer.engine.layers.embed_head import ParallelLMHead
     from batchinfer.engine.layers.int8_smoothing import per_token_input_layers
