@@ -28,6 +28,7 @@ from pydantic_settings import (
 )
 
 from batchinfer.engine.config import QUANTIZATIONS
+from batchinfer.engine.threads import CHOSEN_MARKER
 
 DEFAULT_DATA_DIR = Path(platformdirs.user_data_dir("batchinfer", appauthor=False))
 
@@ -40,6 +41,7 @@ OTHER_ENV_VARS = frozenset({
     "BATCHINFER_CPU_ATTENTION",  # "sdpa" selects the pure-torch CPU attention (engine.layers.cpu_attention)
     "BATCHINFER_CPU_LINEAR",     # "aten": no oneDNN weight prepacking (engine.layers.weight_packing)
     "BATCHINFER_CPU_FUSED",      # "0": no fused CPU rotary / SiLU-and-mul (engine.layers.cpu_attention)
+    CHOSEN_MARKER,               # the OpenMP variables batchinfer chose, for child processes (engine.threads)
 })
 TEST_ENV_PREFIX = "BATCHINFER_TEST_"  # the test suite's own servers (tests/conftest.py)
 
@@ -176,7 +178,9 @@ class Settings(BaseSettings):
     dtype: str = "auto"
     quantization: Literal[QUANTIZATIONS] | None = Field(  # type: ignore[valid-type]
         None, description="int8: per-channel int8 weights, dynamic int8 GEMMs (CPU); gguf: a .gguf model's "
-                          "own Q4_0 / Q4_1 blocks (CPU); unset: the dtype's.")
+                          "own Q4_0 / Q4_1 / Q8_0 blocks (CPU); unset: the dtype's.")
+    adaptive_threads: bool = Field(
+        True, description="CPU: run one thread fewer per core other work keeps busy, back up when it leaves.")
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(4096, ge=16)
     max_model_len: int | None = None
@@ -256,6 +260,7 @@ class Settings(BaseSettings):
             "device": self.device,
             "dtype": self.dtype,
             "quantization": self.quantization,
+            "adaptive_threads": self.adaptive_threads,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,

@@ -33,6 +33,8 @@ from pathlib import Path
 from chat_workload import MODEL_ALIAS, build_workload, load_line, process_cpu_seconds
 from openvino_peer import PEER_NAME, PEER_ROWS, ensure_export, run_peer
 
+from batchinfer.engine.threads import CHOSEN_MARKER
+
 POLICIES = ("none", "start", "engine")
 ARRIVALS = ("at start", "later")
 TARGET_KEPT = 0.8  # issue 21: keep >= 80% of the quiet tokens per CPU-second
@@ -53,7 +55,7 @@ def busy_process(core: int) -> Iterator[int]:
 
 def run_child(args: argparse.Namespace, policy: str, extra_env: dict[str, str], busy: str | None) -> dict:
     """One measurement in a fresh process, with the busy loop `busy` ("at start", "later") or none."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "BATCHINFER_OPENMP"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_")) and k != CHOSEN_MARKER}
     env.update(extra_env)
     busy_core = max(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,8 +36,8 @@ def _setup_logging(level: str) -> None:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
               help="Weights and activations (default: settings.dtype; auto: bf16 where the CPU has it).")
 @click.option("--quantization", type=click.Choice(list(QUANTIZATIONS)), default=None,
-              help="int8: int8 weights and dynamic int8 GEMMs on CPU; gguf: a .gguf model's own 4-bit "
-                   "blocks on CPU (default: settings.quantization).")
+              help="int8: int8 weights and dynamic int8 GEMMs on CPU; gguf: a .gguf model's own "
+                   "Q4_0 / Q4_1 / Q8_0 blocks on CPU (default: settings.quantization).")
 @click.option("--pipeline-parallel-size", type=click.IntRange(min=1), default=None,
               help="Stages of layers (e.g. one per node).")
 @click.option("--distributed-executor-backend", type=click.Choice(["mp", "ray"]), default=None,

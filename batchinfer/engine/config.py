@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # EngineConfig.quantization values besides None (layers/weight_packing.py): int8 weights (fbgemm), or a
-# GGUF model's own Q4_0 / Q4_1 blocks (layers/gguf_weights.py)
+# GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks (layers/gguf_weights.py)
 QUANTIZATIONS = ("int8", "gguf")
 EXECUTOR_BACKENDS = ("mp", "ray")  # how the ranks of a parallel engine start: local processes, Ray actors
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -35,7 +35,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30  # KV cache budget on CPU
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"  # auto = bfloat16 on CUDA and on CPUs with native bf16 (see resolved_dtype)
-    quantization: str | None = None  # None, "int8" (int8 weights, fbgemm), "gguf" (a .gguf's 4-bit blocks)
+    quantization: str | None = None  # None, "int8" (int8 weights, fbgemm), "gguf" (a .gguf's own blocks)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -91,7 +91,7 @@ class EngineConfig:
                 f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}; "
                 f"got {self.attention_backend!r}"
             )
-        for name in ("enable_prefix_caching", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enforce_eager", "adaptive_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false; got {getattr(self, name)!r}")
         from batchinfer.engine.spec_decode.config import parse_speculative_config

@@ -19,6 +19,7 @@ accepted tokens are appended one by one through _append_token like sampled ones.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Set as AbstractSet
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -42,7 +43,7 @@ from batchinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchinfer.engine.spec_decode.speculator import Speculator
 from batchinfer.engine.stop import check_stop
 from batchinfer.engine.structured import GrammarBackend, GrammarState
-from batchinfer.engine.threads import ThreadGovernor, governor_ceiling
+from batchinfer.engine.threads import OPENMP_BINDING_VARIABLES, ThreadGovernor, governor_ceiling
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # with nothing else to run, how long one step waits for a grammar to compile
@@ -94,12 +95,15 @@ class Engine:
     def _make_thread_governor(self) -> ThreadGovernor | None:
         """The CPU thread governor of a one-rank CPU engine whose count may vary; None otherwise."""
         config = self.config
-        if (not config.adaptive_threads or str(self.model_runner.device) != "cpu"
-                or config.tensor_parallel_size * config.pipeline_parallel_size > 1):
-            return None  # the parallel runners give each rank its own share of the cores
+        if str(self.model_runner.device) != "cpu":
+            return None
         import torch
 
         current = torch.get_num_threads()
+        self.recorder.metrics.record_cpu_threads(current)
+        if (not config.adaptive_threads or config.tensor_parallel_size * config.pipeline_parallel_size > 1
+                or any(name in os.environ for name in OPENMP_BINDING_VARIABLES)):
+            return None  # the parallel runners give each rank its own share of the cores
         ceiling = governor_ceiling(current)
         if ceiling <= 1:
             return None
@@ -107,6 +111,8 @@ class Engine:
 
     def close(self) -> None:
         """Release what outlives a step: tensor-parallel worker processes, the grammar compile thread."""
+        if self.thread_governor is not None:
+            self.thread_governor.restore()  # a later engine in this process starts from the same count
         self.model_runner.close()
         if self.speculator is not None:
             self.speculator.close()

@@ -199,7 +199,6 @@ class EngineMetrics:
         self._request_prompt_tokens = fam.request_prompt_tokens.labels(*values)
         self._request_generation_tokens = fam.request_generation_tokens.labels(*values)
         self._iteration_tokens = fam.iteration_tokens.labels(*values)
-        self._cpu_threads = fam.cpu_threads.labels(*values)
 
     def record_cache_config(self, *, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
         """Publish the KV cache's configuration as vLLM's cache_config_info (one series, value 1)."""
@@ -207,8 +206,8 @@ class EngineMetrics:
                                            str(enable_prefix_caching)).set(1)
 
     def record_cpu_threads(self, threads: int) -> None:
-        """The thread count a CPU engine runs on now."""
-        self._cpu_threads.set(threads)
+        """The thread count a CPU engine runs on now (the series exists for CPU engines only)."""
+        self._families.cpu_threads.labels(self.model_name, self.engine).set(threads)
 
     def record_step(self, stats: StepStats) -> None:
         """Fold one step's figures into the metrics."""

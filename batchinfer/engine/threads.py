@@ -27,8 +27,10 @@ bench/contention.py; the machine is shared, so single runs are noisy):
 libgomp reads the variables once, but the thread count of later parallel regions follows
 omp_set_num_threads (torch.set_num_threads) at any time. So while the engine runs, a ThreadGovernor
 re-chooses it from what the CPUs we may run on did over the last second (/proc/stat minus our own CPU
-time): one thread fewer for each core other work keeps busy, and back up when it leaves. It only lowers
-a count batchinfer chose (configure_openmp_env, or torch's default); a count the user set is a ceiling.
+time): one thread fewer for each core other work keeps busy, and back up when it leaves. It never goes
+above a count the user set (OMP_NUM_THREADS, torch.set_num_threads), and stays off where OpenMP threads
+are bound to places (OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY: the affinity it would read is then the
+bound thread's, not the process's).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ GOVERNOR_INTERVAL_S = 1.0
 BUSY_CORE_SHARE = 0.4
 # A new count is applied when this many consecutive windows agree on it (a short-lived task moves nothing).
 GOVERNOR_AGREEING_WINDOWS = 2
+# With any of these set libgomp pins its threads; the governor then stays off.
+OPENMP_BINDING_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
 logger = logging.getLogger(__name__)
 
 
@@ -110,14 +114,18 @@ def configure_openmp_env(environ: MutableMapping[str, str] | None = None) -> dic
         if name not in env:
             env[name] = value
             applied[name] = value
-    if applied:
-        env[CHOSEN_MARKER] = ",".join(sorted(applied))
+    if applied:  # merged with what a parent process chose (inherited with the variables)
+        inherited = set(filter(None, env.get(CHOSEN_MARKER, "").split(",")))
+        env[CHOSEN_MARKER] = ",".join(sorted(inherited | set(applied)))
     return applied
 
 
 def governor_ceiling(current: int, environ: MutableMapping[str, str] | None = None) -> int:
-    """The most threads the governor may run: all usable cores where configure_openmp_env chose the
-    count now in force (it may have taken one fewer at start), else the count in force (the user's)."""
+    """The most threads the governor may run (all cores where batchinfer chose the count, else it).
+
+    configure_openmp_env may have taken one thread fewer at start: then every usable core. A count the
+    user set (OMP_NUM_THREADS, torch.set_num_threads) is the ceiling.
+    """
     env = os.environ if environ is None else environ
     chose = "OMP_NUM_THREADS" in env.get(CHOSEN_MARKER, "").split(",")
     if chose and env.get("OMP_NUM_THREADS") == str(current):
@@ -129,7 +137,8 @@ def busy_cpu_seconds(cpus: set[int], stat_text: str) -> float:
     """CPU time spent busy (not idle / iowait) on `cpus` since boot, from /proc/stat's per-CPU lines.
 
     Busy = user + nice + system + irq + softirq + steal (guest time is already inside user); a CPU the
-    hypervisor stole counts as taken, like one another process holds.
+    hypervisor stole counts as taken, like one another process holds. A niced job counts too: the
+    scheduler gives it less of the core, but our threads still wait at every barrier for the one beside it.
     """
     ticks = 0
     for line in stat_text.splitlines():
@@ -158,8 +167,10 @@ def own_cpu_seconds() -> float:
 
 
 def threads_beside(other_busy_cores: float, *, cores: int, ceiling: int) -> int:
-    """Threads to run beside other work keeping `other_busy_cores` of our cores busy: one fewer per core
-    it takes (a core counts from BUSY_CORE_SHARE of it), at most `ceiling`, at least 1."""
+    """Threads to run beside other work: one fewer per core it takes, within [1, ceiling].
+
+    A core counts as taken from BUSY_CORE_SHARE of it busy.
+    """
     taken = math.floor(other_busy_cores + 1.0 - BUSY_CORE_SHARE)
     return max(1, min(ceiling, cores - taken))
 
@@ -183,7 +194,14 @@ class ThreadGovernor:
         self._set_threads, self._interval_s, self._clock = set_threads, interval_s, clock
         self._read_stat, self._own_cpu = read_stat, own_cpu
         self._candidate, self._agreeing = current, 0
+        self._initial = current
         self._window = self._sample()
+
+    def restore(self) -> None:
+        """Set the count back to the one in force when the governor started."""
+        if self.threads != self._initial:
+            self._set_threads(self._initial)
+            self.threads = self._initial
 
     def _sample(self) -> tuple[float, float, float]:
         return self._clock(), busy_cpu_seconds(self.cpus, self._read_stat()), self._own_cpu()

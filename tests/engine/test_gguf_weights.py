@@ -158,3 +158,31 @@ def test_a_layer_that_disagrees_with_its_blocks_is_refused(smollm2, single_threa
             pack_gguf_blocks(model, gguf_source(SMOLLM2))
     finally:
         engine.close()
+
+
+def test_bf16_loads_on_the_same_blocks(smollm2, single_thread):
+    """The loader rounded the weights to bf16: the check compares at bf16's precision, the kernels run."""
+    engine = Engine(EngineConfig(model=SMOLLM2, device="cpu", dtype="bfloat16", quantization="gguf",
+                                 adaptive_threads=False))
+    try:
+        assert engine.model_runner.model.model.layers[0].mlp.down_proj.weight.numel() == 0
+        (tokens,) = generate(engine, ["The capital of France is"], 8)
+        assert len(tokens) == 8
+    finally:
+        engine.close()
+
+
+def test_a_draft_model_gets_the_block_format_only_when_it_is_a_gguf(tiny_llama):
+    import json
+
+    from batchinfer.engine.spec_decode.config import SpeculativeConfig
+    from batchinfer.engine.spec_decode.draft import DraftModelProposer
+
+    target = EngineConfig(model=SMOLLM2, device="cpu", dtype="float32", quantization="gguf")
+    spec = SpeculativeConfig(method="draft_model", model=str(tiny_llama), num_speculative_tokens=2)
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    draft = DraftModelProposer(spec, target, num_kv_blocks=8, vocab_size=vocab, max_model_len=64)
+    try:
+        assert draft.runner.config.quantization is None  # a safetensors draft runs densely
+    finally:
+        draft.close()

@@ -163,7 +163,11 @@ def busy_loop_on(cpu: int) -> Iterator[None]:
 @pytest.mark.skipif(not os.path.exists("/proc/stat") or usable_cores() < 2,
                     reason="needs /proc/stat and 2 usable cores")
 def test_a_real_busy_process_takes_a_thread_and_gives_it_back():
-    """On the real /proc/stat: a busy loop pinned to one of our cores lowers the count, its end raises it."""
+    """On the real /proc/stat: a busy loop pinned to one of our cores lowers the count, its end raises it.
+
+    A shared machine may be busy on its own: where it is, before or after the loop, the test skips
+    rather than judge the governor by load it cannot control.
+    """
     cpus = set(os.sched_getaffinity(0))
     applied: list[int] = []
     governor = ThreadGovernor(ceiling=len(cpus), current=len(cpus), set_threads=applied.append,
@@ -174,14 +178,30 @@ def test_a_real_busy_process_takes_a_thread_and_gives_it_back():
             time.sleep(0.31)
             governor.tick()
 
+    windows(1)
+    if governor.other_busy_cores >= 0.3:
+        pytest.skip(f"the machine is busy already ({governor.other_busy_cores:.2f} cores)")
     with busy_loop_on(max(cpus)):
         windows(GOVERNOR_AGREEING_WINDOWS + 1)
         assert governor.other_busy_cores >= 0.6
-        assert governor.threads == len(cpus) - 1
-    deadline = time.monotonic() + 20  # a shared machine may be busy for a while: wait for a quiet spell
+        assert governor.threads < len(cpus)
+    deadline = time.monotonic() + 20
     while governor.threads != len(cpus) and time.monotonic() < deadline:
         windows(1)
-    assert governor.threads == len(cpus) and applied[0] == len(cpus) - 1
+    if governor.threads != len(cpus) and governor.other_busy_cores >= 0.3:
+        pytest.skip(f"other load kept {governor.other_busy_cores:.2f} cores busy after the loop ended")
+    assert governor.threads == len(cpus) and applied[0] < len(cpus)
+
+
+def test_restore_sets_the_starting_count_back():
+    machine = ScriptedMachine({0, 1})
+    governor = machine.governor(ceiling=2, current=2)
+    for _ in range(GOVERNOR_AGREEING_WINDOWS):
+        machine.advance(1.0, others=1.0, ours=1.0)
+        governor.tick()
+    assert governor.threads == 1
+    governor.restore()
+    assert governor.threads == 2 and machine.applied == [1, 2]
 
 
 def test_an_engine_keeps_the_thread_count_the_user_set(tiny_llama):
@@ -212,8 +232,38 @@ def test_a_cpu_engine_with_cores_to_give_publishes_its_thread_count(tiny_llama):
                 engine.step()
             labels = engine.recorder.metrics.labels
             assert REGISTRY.get_sample_value("batchinfer:cpu_threads", labels) == governor.threads
+            # without a governor the series still says how many threads the engine runs on
+            assert REGISTRY.get_sample_value("batchinfer:cpu_threads", off.recorder.metrics.labels) == 2
         finally:
             engine.close()
             off.close()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bound_openmp_threads_keep_their_count(tiny_llama, monkeypatch):
+    """With OMP_PROC_BIND (or OMP_PLACES, GOMP_CPU_AFFINITY) libgomp pins threads: no governor."""
+    monkeypatch.setenv("OMP_PROC_BIND", "true")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = Engine(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32"))
+        assert engine.thread_governor is None
+        engine.close()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_closing_an_engine_restores_the_count_it_lowered(tiny_llama):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = Engine(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32"))
+        governor = engine.thread_governor
+        assert governor is not None
+        governor._set_threads(1)  # as a tick would under load
+        governor.threads = 1
+        engine.close()
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -50,6 +50,12 @@ def test_the_users_values_are_never_overridden():
     assert env["GOMP_SPINCOUNT"] == OPENMP_WAIT_DEFAULTS["GOMP_SPINCOUNT"]
 
 
+def test_the_marker_keeps_what_a_parent_chose():
+    env = {"OMP_NUM_THREADS": "1", CHOSEN_MARKER: "OMP_NUM_THREADS"}  # inherited from a parent's choice
+    configure_openmp_env(env)
+    assert set(env[CHOSEN_MARKER].split(",")) == {"OMP_NUM_THREADS", *OPENMP_WAIT_DEFAULTS}
+
+
 def test_configuring_twice_changes_nothing_the_second_time():
     env: dict[str, str] = {}
     configure_openmp_env(env)

@@ -132,8 +132,10 @@ static torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& c
     if (M > 0) kernels[M](x.data_ptr<float>(), x.stride(0), cp, dp, mp, N, K, y.data_ptr<float>());
     return y;
   }
-  // Each thread expands its tiles of weight rows into a float32 buffer of its own and runs one
-  // single-threaded GEMM per tile (inside parallel_for torch's GEMMs do not fork again).
+  // Each thread expands its tiles of weight rows into a float32 buffer of its own and runs one GEMM per
+  // tile. Inside at::parallel_for (an OpenMP region) the GEMM runs on the calling thread: OpenMP does not
+  // nest by default and torch's BLAS calls follow it, so the two threads do not fork again (measured:
+  // 2 threads x 1, no oversubscription).
   const int64_t tiles = (N + tile_rows - 1) / tile_rows, row_bytes = K / 32 * F::kGroupBytes;
   const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the pool's threads need it too
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -154,7 +156,6 @@ static torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& c
 
 static void check_block_args(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
                              int64_t code_columns, int64_t tile_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x: float32 [M, K]");
   const int64_t K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % 32 == 0 && codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == code_columns,
               "codes: contiguous [N, K / 2] (Q4) or [N, K] (Q8), K a multiple of 32");
@@ -165,6 +166,7 @@ static void check_block_args(const torch::Tensor& x, const torch::Tensor& codes,
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
                         int64_t tile_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x: float32 [M, K]");
   check_block_args(x, codes, d, x.size(1) / 2, tile_rows);
   TORCH_CHECK(codes.scalar_type() == at::kByte, "Q4 codes: uint8");
   TORCH_CHECK(m.is_contiguous() && m.scalar_type() == at::kFloat && m.numel() == d.numel(), "m like d");
@@ -172,6 +174,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
 }
 
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, int64_t tile_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x: float32 [M, K]");
   check_block_args(x, codes, d, x.size(1), tile_rows);
   TORCH_CHECK(codes.scalar_type() == at::kChar, "Q8 codes: int8");
   return block_linear<Q8Format>(x, codes, d, nullptr, tile_rows);

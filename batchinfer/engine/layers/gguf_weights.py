@@ -22,6 +22,7 @@ that) fails at load, naming the tensor, instead of producing wrong text. Tensors
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +32,16 @@ import numpy as np
 import torch
 from torch import nn
 
+logger = logging.getLogger(__name__)
+
 GROUP_SIZE = 32  # elements per block in every supported format
 # bytes per block: the fp16 scale(s) first, then the codes
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 # the largest |difference| from the loader's de-quantized weight, relative to the matrix's max |w|
 MATCH_TOLERANCE = 1e-5
-# weight rows one thread expands to float32 at a time for a GEMM (128 x 1536 floats: 768 KiB at most)
-TILE_ROWS = 128
+# weight rows one thread expands to float32 at a time for a GEMM: about TILE_BYTES (an L2's share), a
+# multiple of 16 rows within [16, 128] (128 rows measured best at SmolLM2's K = 576)
+TILE_BYTES = 512 * 1024
 
 # our fused module -> the GGUF tensors of one layer whose rows it stacks, in order
 GGUF_PARTS = {
@@ -133,9 +137,15 @@ def unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(rows).reshape(n_head, half, 2).transpose(1, 2).reshape(rows)
 
 
+def tile_rows_for(columns: int) -> int:
+    """Weight rows per float32 tile for a matrix of `columns` inputs."""
+    return max(16, min(128, TILE_BYTES // (4 * columns) // 16 * 16))
+
+
 def block_linear(weight: BlockWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearFn:
     """x -> x @ W.T + bias on the blocks (float32 inside, the result in `dtype`)."""
     kernel = gguf_kernel()
+    tile_rows = tile_rows_for(weight.shape[1])
     codes, d = weight.codes.contiguous(), weight.d.float().contiguous()
     m = None if weight.m is None else weight.m.float().contiguous()
     bias = None if bias is None else bias.detach().float()
@@ -145,9 +155,9 @@ def block_linear(weight: BlockWeight, bias: torch.Tensor | None, dtype: torch.dt
         if flat.dtype != torch.float32 or flat.stride(-1) != 1:
             flat = flat.float().contiguous()
         if m is None:
-            out = kernel.q8_linear(flat, codes, d, TILE_ROWS)
+            out = kernel.q8_linear(flat, codes, d, tile_rows)
         else:
-            out = kernel.q4_linear(flat, codes, d, m, TILE_ROWS)
+            out = kernel.q4_linear(flat, codes, d, m, tile_rows)
         if bias is not None:
             out += bias
         return out.to(dtype).reshape(*x.shape[:-1], out.shape[-1])
@@ -170,8 +180,13 @@ class _Reader:
     def __init__(self, gguf_path: str | Path) -> None:
         from gguf import GGUFReader
 
+        reader = GGUFReader(str(gguf_path))
         self.path = gguf_path
-        self.tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+        self.tensors = {t.name: t for t in reader.tensors}
+        field = reader.fields.get("general.architecture")
+        self.architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+        # llama.cpp stores Q / K rows permuted for the llama architecture only (transformers undoes it there)
+        self.permuted_qk = self.architecture == "llama"
 
     def blocks(self, name: str) -> BlockWeight | None:
         """The tensor as a BlockWeight, or None where it is absent or in another type."""
@@ -190,7 +205,7 @@ class _Reader:
             weight = self.blocks(f"blk.{layer}.{part}.weight")
             if weight is None:
                 return None
-            if part in ("attn_q", "attn_k"):
+            if self.permuted_qk and part in ("attn_q", "attn_k"):
                 heads = config.num_attention_heads if part == "attn_q" else config.num_key_value_heads
                 weight = weight.take_rows(unpermute_rows(weight.shape[0], heads))
             found.append(weight)
@@ -198,12 +213,16 @@ class _Reader:
 
     def check(self, blocks: BlockWeight, loaded: torch.Tensor, name: str, ours: str) -> None:
         """Raise GGUFMismatchError unless the blocks reproduce the loaded weight."""
-        weight = loaded.detach().float()
-        if blocks.shape != tuple(weight.shape):
+        if blocks.shape != tuple(loaded.shape):
             raise GGUFMismatchError(f"quantization='gguf': {name} has shape {blocks.shape}, the loaded "
-                                    f"{ours} {tuple(weight.shape)}")
-        error = (blocks.dequantize() - weight).abs().max().item()
-        if error > MATCH_TOLERANCE * max(weight.abs().max().item(), 1e-30):
+                                    f"{ours} {tuple(loaded.shape)}")
+        # the loader rounded the same numbers to the model dtype (bf16 keeps 8 bits): compare at its precision
+        weight = loaded.detach().float()
+        rounded = blocks.dequantize().to(loaded.dtype).float()
+        relative = max(MATCH_TOLERANCE, torch.finfo(loaded.dtype).eps)
+        tolerance = relative * max(weight.abs().max().item(), 1e-30)
+        error = (rounded - weight).abs().max().item()
+        if error > tolerance:
             raise GGUFMismatchError(
                 f"quantization='gguf': the blocks of {name} in {self.path} differ from the weight loaded "
                 f"from the same file by {error:.3g}; this architecture's tensor layout is not supported "
@@ -251,4 +270,12 @@ def pack_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> tuple[set[nn.Mo
         embedding.weight.data = embedding.weight.data.new_empty(0)
     if not tied and head_blocks is not None:
         head.weight.data = head.weight.data.new_empty(0)
+    if not packed:
+        types = sorted({t.tensor_type.name for t in reader.tensors.values()})
+        raise ValueError(f"quantization='gguf': {gguf_path} holds no matrix in a block format this engine "
+                         f"runs ({', '.join(BLOCK_BYTES)}; the file has {', '.join(types)}); run it without "
+                         f"quantization='gguf' (de-quantized to the model dtype)")
+    if skipped:
+        logger.info("quantization='gguf': %d matrices on the file's blocks; dense (other types): %s",
+                    len(packed), ", ".join(skipped))
     return packed, skipped

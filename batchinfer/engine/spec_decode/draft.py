@@ -46,12 +46,17 @@ class DraftModelProposer:
 
     def __init__(self, spec: SpeculativeConfig, target_config: EngineConfig, *, num_kv_blocks: int,
                  vocab_size: int, max_model_len: int) -> None:
+        from batchinfer.engine.loader import gguf_source
         from batchinfer.engine.model_runner import ModelRunner
 
         assert spec.model is not None
+        # A GGUF target's block format applies to a GGUF draft only; another draft runs in the target's dtype.
+        quantization = target_config.quantization
+        if quantization == "gguf" and gguf_source(spec.model) is None:
+            quantization = None
         config = dataclasses.replace(
             target_config, model=spec.model, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
-            tensor_parallel_size=1, speculative_config=None,
+            tensor_parallel_size=1, speculative_config=None, quantization=quantization,
         )
         try:
             model = resolve_model(config, with_tokenizer=False)
