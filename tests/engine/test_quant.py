@@ -85,7 +85,7 @@ def test_int8_llm_generates(make_llm, tiny_llama: Path) -> None:
 
 
 def test_bad_quantization_values_are_clear_errors() -> None:
-    with pytest.raises(ValueError, match=r"quantization: must be None or one of int8; got 'int4'"):
+    with pytest.raises(ValueError, match=r"quantization: must be None or one of int8, gguf; got 'int4'"):
         EngineConfig(model="m", quantization="int4")
     with pytest.raises(ValueError, match="runs on CPU only"):
         EngineConfig(model="m", device="cuda", quantization="int8")
