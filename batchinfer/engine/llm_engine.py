@@ -19,7 +19,6 @@ accepted tokens are appended one by one through _append_token like sampled ones.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Set as AbstractSet
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -43,7 +42,7 @@ from batchinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchinfer.engine.spec_decode.speculator import Speculator
 from batchinfer.engine.stop import check_stop
 from batchinfer.engine.structured import GrammarBackend, GrammarState
-from batchinfer.engine.threads import OPENMP_BINDING_VARIABLES, ThreadGovernor, governor_ceiling
+from batchinfer.engine.threads import ThreadGovernor, cpu_thread_governor
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # with nothing else to run, how long one step waits for a grammar to compile
@@ -90,24 +89,12 @@ class Engine:
         self.grammar_backend: GrammarBackend | None = None  # made by the first constrained request
         self._prompt_logprob_requests: set[str] = set()  # whose prompt logprobs are still being computed
         self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests still compiling, in order
-        self.thread_governor = self._make_thread_governor()
-
-    def _make_thread_governor(self) -> ThreadGovernor | None:
-        """The CPU thread governor of a one-rank CPU engine whose count may vary; None otherwise."""
-        config = self.config
-        if str(self.model_runner.device) != "cpu":
-            return None
-        import torch
-
-        current = torch.get_num_threads()
-        self.recorder.metrics.record_cpu_threads(current)
-        if (not config.adaptive_threads or config.tensor_parallel_size * config.pipeline_parallel_size > 1
-                or any(name in os.environ for name in OPENMP_BINDING_VARIABLES)):
-            return None  # the parallel runners give each rank its own share of the cores
-        ceiling = governor_ceiling(current)
-        if ceiling <= 1:
-            return None
-        return ThreadGovernor(ceiling=ceiling, current=current, set_threads=torch.set_num_threads)
+        self.thread_governor: ThreadGovernor | None = None
+        if str(self.model_runner.device) == "cpu":
+            self.thread_governor, threads = cpu_thread_governor(
+                adaptive=config.adaptive_threads,
+                ranks=config.tensor_parallel_size * config.pipeline_parallel_size)
+            self.recorder.metrics.record_cpu_threads(threads)
 
     def close(self) -> None:
         """Release what outlives a step: tensor-parallel worker processes, the grammar compile thread."""

@@ -78,6 +78,16 @@ def gguf_source(name_or_path: str | os.PathLike[str]) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
+def required_gguf_source(name_or_path: str | os.PathLike[str]) -> Path:
+    """The .gguf file of a model run with quantization="gguf"; a ValueError naming the fix otherwise."""
+    path = gguf_source(name_or_path)
+    if path is None:
+        name = os.fspath(name_or_path)
+        raise ValueError(f"quantization='gguf' runs a GGUF file's own blocks, and model {name!r} is not a "
+                         f".gguf file or an alias of one; use quantization='int8' for this model")
+    return path
+
+
 def _checked_hf_dir(path: Path) -> Path:
     if not (path / "config.json").is_file():
         raise ValueError(

@@ -35,7 +35,7 @@ from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.attention_plan import build_torch_plan
 from batchinfer.engine.layers.context import AttentionContext, set_context
 from batchinfer.engine.layers.weight_packing import pack_weights
-from batchinfer.engine.loader import gguf_source, load_weights
+from batchinfer.engine.loader import load_weights, required_gguf_source
 from batchinfer.engine.models import get_model_class
 from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
 
@@ -98,11 +98,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.model_path = model.path
         # quantization="gguf" runs the file's own blocks: checked before any weight is loaded
-        self.gguf_path = gguf_source(config.model) if config.quantization == "gguf" else None
-        if config.quantization == "gguf" and self.gguf_path is None:
-            raise ValueError(f"quantization='gguf' runs a GGUF file's own 4-bit blocks, and model "
-                             f"{config.model!r} is not a .gguf file or an alias of one; use "
-                             f"quantization='int8' for this model")
+        self.gguf_path = required_gguf_source(config.model) if config.quantization == "gguf" else None
         self.hf_config = model.hf_config
         self.max_model_len = model.max_model_len
         self.block_size = config.block_size

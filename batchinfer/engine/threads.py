@@ -223,3 +223,20 @@ class ThreadGovernor:
             self._set_threads(wanted)
             self.threads = wanted
         return self.threads
+
+
+def cpu_thread_governor(*, adaptive: bool, ranks: int) -> tuple[ThreadGovernor | None, int]:
+    """(the governor of a CPU engine, or None where its count stays, the thread count now).
+
+    None when adaptive_threads is off, for TP / PP (each rank gets its own share of the cores), with
+    OpenMP threads bound to places, or with nothing to lower (a ceiling of one thread).
+    """
+    import torch
+
+    current = torch.get_num_threads()
+    if not adaptive or ranks > 1 or any(name in os.environ for name in OPENMP_BINDING_VARIABLES):
+        return None, current
+    ceiling = governor_ceiling(current)
+    if ceiling <= 1:
+        return None, current
+    return ThreadGovernor(ceiling=ceiling, current=current, set_threads=torch.set_num_threads), current
