@@ -46,6 +46,12 @@ OTHER_ENV_VARS = frozenset({
 TEST_ENV_PREFIX = "BATCHINFER_TEST_"  # the test suite's own servers (tests/conftest.py)
 
 
+# Limits on by default that 0 or one of OFF_WORDS turns off (README "Security").
+DISABLEABLE_LIMITS = ("max_owner_stored_bytes", "max_owner_active_jobs", "max_owner_pending_requests",
+                      "finished_job_retention_seconds")
+OFF_WORDS = frozenset({"", "0", "0.0", "none", "off", "null"})
+
+
 class ConfigError(ValueError):
     """A setting is unknown or invalid, or the config file is missing or unreadable: one line says which."""
 
@@ -157,14 +163,15 @@ class Settings(BaseSettings):
     max_stop_sequences: int = Field(16, ge=1, description="Stop strings one request may give (OpenAI: 4).")
     ingest_chunk_bytes: int = Field(8 << 20, ge=1 << 16, description="Input bytes per ingest commit.")
     max_form_fields: int = Field(16, ge=1, description="Form fields of one multipart upload.")
+    # On by default (a shared deployment is safe as installed); 0 or "none" turns each one off.
     max_owner_stored_bytes: int | None = Field(
-        50 << 30, ge=0, description="Bytes of uploaded files one owner may keep; unset: no limit.")
+        50 << 30, ge=1, description="Bytes of uploaded files one owner may keep; 0 or none: no limit.")
     max_owner_active_jobs: int | None = Field(
-        100, ge=0, description="Jobs not yet finished one owner may have; unset: no limit.")
+        100, ge=1, description="Jobs not yet finished one owner may have; 0 or none: no limit.")
     max_owner_pending_requests: int | None = Field(
-        20_000_000, ge=0, description="Requests one owner may have waiting to run; unset: no limit.")
+        20_000_000, ge=1, description="Requests one owner may have waiting to run; 0 or none: no limit.")
     finished_job_retention_seconds: float | None = Field(
-        30 * 86400.0, gt=0, description="Finished jobs older than this are purged; unset: kept forever.")
+        30 * 86400.0, gt=0, description="Finished jobs older than this are purged; 0 or none: kept forever.")
     purge_interval_seconds: float = Field(3600.0, gt=0, description="How often the purge step runs.")
     schedule_roots: list[Path] = Field(
         default_factory=list, description="Where schedule inputs and outputs may be; empty: data_dir.")
@@ -212,6 +219,16 @@ class Settings(BaseSettings):
         from batchinfer.engine.spec_decode.config import parse_speculative_config  # pure Python
 
         parse_speculative_config(value)  # a ValueError naming speculative_config.<key>
+        return value
+
+    @field_validator(*DISABLEABLE_LIMITS, mode="before")
+    @classmethod
+    def _off_as_none(cls, value: Any) -> Any:
+        """0, "0", "none", "off" or "" turn a limit off (None), from the environment or TOML alike."""
+        if isinstance(value, str) and value.strip().lower() in OFF_WORDS:
+            return None
+        if value == 0 and not isinstance(value, bool):
+            return None
         return value
 
     @field_validator("database_url", mode="after")

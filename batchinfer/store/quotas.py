@@ -1,8 +1,9 @@
 """Per-owner quotas (README "Security"): stored bytes, jobs not yet finished, requests waiting to run.
 
 One owner (an API key's tenant) must not fill the disk or the queue for the others. Each limit is a
-setting (None: no limit); QuotaExceeded names it and the API answers 429. The checks are reads, made
-before the work is accepted (a race of concurrent uploads may pass one over the limit by their own size).
+setting (None, set as 0 or "none": no limit); QuotaExceeded names it and the API answers 429. The
+checks are reads, made before the work is accepted (a race of concurrent uploads may pass one over the
+limit by their own size).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 What goes, at each pass (`batchinfer purge`, and the `purge` duty of beat / the scheduler):
 - an uploaded file whose `expires_at` passed (set from the upload's `expires_after`): row and bytes;
 - a finished job (terminal status) whose output expired: `output_expires_after` seconds after it
-  ended (the batch's own policy), else `finished_job_retention_seconds` after it ended (the setting;
-  unset: kept). Its request rows, shards and the job row go; batches made from a deleted file keep
-  their own rows until then.
+  ended (the batch's own policy), else `finished_job_retention_seconds` after it ended (the setting,
+  30 days by default; 0 or "none": kept). Its request rows, shards and the job row go; batches made
+  from a deleted file keep their own rows until then.
 
 Each job is deleted in its own transaction (its requests by primary-key range first, so a million-row
 job never holds one huge cascade), so a purge may stop anywhere and the next one finishes the work.

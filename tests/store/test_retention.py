@@ -73,3 +73,35 @@ def test_quotas_name_their_setting(session, tmp_path: Path) -> None:
     check_storage_quota(session, owner="alice", settings=settings, new_bytes=39)
     with pytest.raises(QuotaExceeded, match=r"limit is 100 bytes \(max_owner_stored_bytes\)"):
         check_storage_quota(session, owner="alice", settings=settings, new_bytes=40)
+
+
+@pytest.mark.parametrize("off", ["0", "none", "off", "None"])
+def test_each_limit_on_by_default_is_turned_off_by_0_or_none(session, off: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = Settings()
+    assert defaults.finished_job_retention_seconds == 30 * 86400  # on by default (README "Security")
+    assert defaults.max_owner_active_jobs == 100 and defaults.max_owner_stored_bytes == 50 << 30
+    for name in ("MAX_OWNER_STORED_BYTES", "MAX_OWNER_ACTIVE_JOBS", "MAX_OWNER_PENDING_REQUESTS",
+                 "FINISHED_JOB_RETENTION_SECONDS"):
+        monkeypatch.setenv(f"BATCHINFER_{name}", off)
+    settings = Settings()
+    assert (settings.max_owner_stored_bytes, settings.max_owner_active_jobs,
+            settings.max_owner_pending_requests, settings.finished_job_retention_seconds) == (None,) * 4
+    old = _job(session)
+    cancel_job(session, job_id=old.id, owner="alice")
+    assert purge(session, settings=settings, now=utcnow() + timedelta(days=400)).jobs == []  # kept
+    assert purge(session, settings=defaults, now=utcnow() + timedelta(days=400)).jobs == [old.id]
+    for _ in range(2):
+        _job(session)
+    check_job_quotas(session, owner="alice", settings=settings)  # no limit
+    with pytest.raises(QuotaExceeded):
+        check_job_quotas(session, owner="alice", settings=Settings(max_owner_active_jobs=2))
+    check_storage_quota(session, owner="alice", settings=settings, new_bytes=1 << 62)
+
+
+def test_a_negative_limit_is_refused_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchinfer.config import ConfigError, load_settings
+
+    monkeypatch.setenv("BATCHINFER_MAX_OWNER_ACTIVE_JOBS", "-3")
+    with pytest.raises(ConfigError, match="invalid setting max_owner_active_jobs = '-3'"):
+        load_settings()
