@@ -3,6 +3,10 @@
 Announcing only wakes workers; the database decides who runs what (ARCHITECTURE.md, contract 9). So
 announcing twice is harmless (a taken shard ignores its message) and a lost announcement is repaired by
 `rescue_and_redispatch`, the rescue duty that `batchinfer beat` and every worker run (workers.duties).
+
+Wake-ups (rescue's, and after a worker handed shards back) go only to a model queue holding no message yet:
+one waiting message already wakes a worker that claims every available shard of its model from the
+database, and a model no worker serves would otherwise gather a few more messages every pass, forever.
 """
 
 from __future__ import annotations
@@ -34,6 +38,28 @@ def announce(app: Celery, shards: Iterable[Shard]) -> int:
         app.send_task(RUN_SHARD, args=[shard.id], queue=queue_name(shard.model))
         sent += 1
     return sent
+
+
+def waiting_messages(app: Celery, model: str) -> int:
+    """Messages waiting (not yet taken by a worker) on the model's queue; 0 when the queue does not exist."""
+    from kombu.exceptions import ChannelError
+
+    with app.connection_for_write() as connection:
+        try:  # passive: ask the broker (Redis: LLEN over the priority lists), never create the queue
+            declared = connection.default_channel.queue_declare(queue=queue_name(model), passive=True)
+            return declared.message_count
+        except ChannelError:  # no such queue: nothing waits on it
+            return 0
+
+
+def wake(app: Celery, shards: Iterable[Shard]) -> int:
+    """Announce `shards` on their models' queues, skipping every model whose queue already holds a message
+    (it wakes a worker that claims the rest from the database); returns the messages sent."""
+    by_model: dict[str, list[Shard]] = {}
+    for shard in shards:
+        by_model.setdefault(shard.model, []).append(shard)
+    quiet = [group for model, group in by_model.items() if waiting_messages(app, model) == 0]
+    return announce(app, [shard for group in quiet for shard in group])
 
 
 def announce_job(*, session: Session, job_id: int, app: Celery) -> int:
@@ -71,8 +97,8 @@ def rescue_and_redispatch(*, app: Celery, settings: Settings | None = None,
     """Rescue expired leases, then announce the requeued shards and wake workers for waiting ones.
 
     Announcing is idempotent (a taken shard ignores its message), and it covers messages the broker lost
-    (a Redis restart without persistence): each model with available shards gets a few wake-up messages,
-    and a woken worker claims the rest from the database itself.
+    (a Redis restart without persistence): each model with available shards and no message waiting on its
+    queue gets a few wake-up messages (`wake`), and a woken worker claims the rest from the database itself.
     """
     settings = settings or get_settings()
     with session_factory(settings.effective_database_url)() as session:
@@ -83,13 +109,14 @@ def rescue_and_redispatch(*, app: Celery, settings: Settings | None = None,
     if report.requeued or report.failed:
         logger.info("rescued shards: requeued %s, failed %s", report.requeued, report.failed)
     seen = {s.id for s in requeued}
-    announce(app, requeued + [s for s in waiting if s.id not in seen])
+    wake(app, requeued + [s for s in waiting if s.id not in seen])
     return report
 
 
 def wake_waiting(*, app: Celery, settings: Settings | None = None, wake_per_model: int = 2) -> int:
-    """Announce the first available shards of each model (after a worker handed shards back); returns sent."""
+    """Wake workers for the first available shards of each model with no message waiting (after a worker
+    handed shards back); returns the messages sent."""
     settings = settings or get_settings()
     with session_factory(settings.effective_database_url)() as session:
         waiting = shard_store.available_shards_per_model(session, limit_per_model=wake_per_model)
-    return announce(app, waiting)
+    return wake(app, waiting)

@@ -120,3 +120,33 @@ def test_the_worker_app_has_every_task_beat_sends() -> None:
     scheduled = {entry["task"] for entry in app.conf.beat_schedule.values()}
     assert {RESCUE, EXPIRE, SCHEDULE_TICK} <= scheduled
     assert {RUN_SHARD, *scheduled} <= set(app.tasks)
+
+
+@pytest.mark.redis
+def test_rescue_wakes_a_model_nobody_serves_once_not_every_pass(sqlite_url: str, redis_url: str,
+                                                                 tmp_path: Path) -> None:
+    # Issue 28 item 11: beat and every worker run rescue every 30 s; no worker serves MODEL, so nothing
+    # takes its messages. A pass sends wake-ups only while none waits, so the queue stays bounded.
+    import redis
+
+    from workers.dispatch import rescue_and_redispatch
+
+    settings = _settings(sqlite_url, tmp_path, redis_url)
+    path = tmp_path / "in.jsonl"
+    write_requests(path, 12)
+    app = create_celery_app(settings)
+    with session_factory(sqlite_url)() as session:
+        submit_and_announce(session=session, settings=settings, app=app, path=path, model=MODEL, owner="t",
+                            shard_size=4)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert client.llen(queue_name(MODEL)) == 3  # the submit's own announcements, one per shard
+        for _ in range(5):
+            rescue_and_redispatch(app=app, settings=settings)
+        assert client.llen(queue_name(MODEL)) == 3  # messages wait: no pass added any
+        client.delete(queue_name(MODEL))  # taken by a worker that died, or lost in a Redis restart
+        for _ in range(5):
+            rescue_and_redispatch(app=app, settings=settings)
+        assert client.llen(queue_name(MODEL)) == 2  # one pass woke the model (wake_per_model), the rest none
+    finally:
+        client.close()
