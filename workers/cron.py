@@ -156,7 +156,7 @@ def start_run(*, run: ScheduleRun, schedule: Schedule, settings: Settings, app: 
     with sessions() as session:
         run = store.update_run(session, run_id=run.id, status=ScheduleRunStatus.SUBMITTED, job_id=job_id,
                                input_path=",".join(matches))
-    logger.info("schedule %s slot %s: submitted job %s", schedule.name, run.slot_at, job_id)
+    logger.info("schedule %s slot %s: submitted batch_%s", schedule.name, run.slot_at, job_id)
     return run
 
 

@@ -26,7 +26,7 @@ def _key_object(row: Any) -> dict[str, Any]:
 
     return {"id": row.id, "name": row.name, "owner": row.owner, "prefix": row.prefix,
             "created_at": when(row.created_at), "last_used_at": when(row.last_used_at),
-            "revoked_at": when(row.revoked_at)}
+            "revoked_at": when(row.revoked_at), "admin": bool(row.admin)}
 
 
 @click.group()
@@ -38,20 +38,23 @@ def apikey() -> None:
 @click.option("--name", required=True, help="A label for the key (also its owner unless --owner is given).")
 @click.option("--owner", default=None, help="The owner whose files and batches the key sees (default: NAME). "
               "Give several keys the same owner to rotate them.")
+@click.option("--admin", is_flag=True, help="An operator's key: its dashboard shows every owner's batches "
+              "(CLI and schedule jobs, owner 'local', included) and may open, cancel and download them.")
 @json_option("Print the key and its fields as one JSON object (the key is in it: store it now).")
-def create(name: str, owner: str | None, as_json: bool) -> None:
+def create(name: str, owner: str | None, admin: bool, as_json: bool) -> None:
     """Create a key and print it once: it is stored hashed and cannot be shown again."""
     from batchinfer.store.apikeys import create_key
 
     with _session() as session:
         try:
-            plaintext, row = create_key(session, name=name, owner=owner)
+            plaintext, row = create_key(session, name=name, owner=owner, admin=admin)
         except ValueError as exc:
             fail(f"--name/--owner: {exc}")
         info = _key_object(row)
     emit({"key": plaintext, **info}, plaintext)
     if not as_json:
-        click.echo(f"(key id {info['id']}, owner {info['owner']!r}; store it now: it will not be shown "
+        role = ", admin: its dashboard sees every owner" if admin else ""
+        click.echo(f"(key id {info['id']}, owner {info['owner']!r}{role}; store it now: it will not be shown "
                    "again)", err=True)
 
 
@@ -76,7 +79,8 @@ def list_(include_revoked: bool, as_json: bool) -> None:
         return value[:19].replace("T", " ") if value else "-"
 
     header = ("ID", "NAME", "OWNER", "PREFIX", "CREATED", "LAST USED", "REVOKED")
-    table = [header] + [(str(k["id"]), k["name"] or "", k["owner"], k["prefix"] + "...",
+    table = [header] + [(str(k["id"]), k["name"] or "", k["owner"] + (" (admin)" if k["admin"] else ""),
+                         k["prefix"] + "...",
                          when(k["created_at"]), when(k["last_used_at"]), when(k["revoked_at"])) for k in keys]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:

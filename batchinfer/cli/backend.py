@@ -1,7 +1,9 @@
 """Where the job commands send their work: the database directly (local) or a batchinfer server (remote).
 
 Both return the same OpenAI Batch objects (batchinfer.store.serialize), so every command prints the same
-thing in either mode.
+thing in either mode. Locally the CLI is the trusted operator (README "Security"): `status`, `results`
+and `cancel` act on any owner's batch, `list` shows the CLI's own (`local`) unless given an owner or
+every owner, and each batch object carries its `owner`. Against a server the key's owner is all one sees.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class Backend(Protocol):
     def get(self, batch_id: str, *, patient: bool = False,
             within_s: float | None = None) -> dict[str, Any]: ...
 
-    def list(self, *, limit: int, after: str | None) -> list[dict[str, Any]]: ...
+    def list(self, *, limit: int, after: str | None, owner: str | None = None,
+             all_owners: bool = False) -> list[dict[str, Any]]: ...
 
     def cancel(self, batch_id: str) -> dict[str, Any]: ...
 
@@ -68,7 +71,7 @@ class LocalBackend:
     def _batch(self, job: Any, session: Any) -> dict[str, Any]:
         from batchinfer.store.serialize import current_batch_object
 
-        return current_batch_object(session, job)
+        return {**current_batch_object(session, job), "owner": job.owner}
 
     def submit(self, path: Path, *, model: str, shard_size: int | None, priority: int,
                metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
@@ -88,32 +91,34 @@ class LocalBackend:
             return self._batch(job, session)
 
     def get(self, batch_id: str, *, patient: bool = False, within_s: float | None = None) -> dict[str, Any]:
-        """The batch object of one job (`patient` and `within_s` matter only to a server)."""
+        """The batch object of one job, whoever owns it (`patient` and `within_s` matter only to a server)."""
         from batchinfer.store.jobs import get_job
 
         with self.sessions() as session:
-            job = get_job(session, job_id=self._job_id(batch_id), owner=LOCAL_OWNER)
+            job = get_job(session, job_id=self._job_id(batch_id))
             if job is None:
                 raise BackendError(f"batch {batch_id} not found")
             return self._batch(job, session)
 
-    def list(self, *, limit: int, after: str | None) -> list[dict[str, Any]]:
-        """Newest jobs first."""
+    def list(self, *, limit: int, after: str | None, owner: str | None = None,
+             all_owners: bool = False) -> list[dict[str, Any]]:
+        """Newest jobs first: of `owner` (default the CLI's own, `local`), or of every owner."""
         from batchinfer.store.jobs import list_jobs
 
         with self.sessions() as session:
             after_id = self._job_id(after) if after else None
-            jobs = list_jobs(session, owner=LOCAL_OWNER, after=after_id, limit=limit)
+            jobs = list_jobs(session, owner=None if all_owners else owner or LOCAL_OWNER, after=after_id,
+                             limit=limit)
             return [self._batch(job, session) for job in jobs]
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
-        """Cancel a job; finished results are kept."""
+        """Cancel a job, whoever owns it; finished results are kept."""
         from batchinfer.store.errors import JobNotFound, JobStateError
         from batchinfer.store.jobs import cancel_job
 
         with self.sessions() as session:
             try:
-                job = cancel_job(session, job_id=self._job_id(batch_id), owner=LOCAL_OWNER)
+                job = cancel_job(session, job_id=self._job_id(batch_id))
             except JobNotFound:
                 raise BackendError(f"batch {batch_id} not found") from None
             except JobStateError as exc:
@@ -163,8 +168,13 @@ class RemoteBackend:
             retry_seconds = min(retry_seconds if retry_seconds is not None else within_s, within_s)
         return self._call(self.client.get, batch_id, retry_seconds=retry_seconds)
 
-    def list(self, *, limit: int, after: str | None) -> list[dict[str, Any]]:
-        """Newest batches first."""
+    def list(self, *, limit: int, after: str | None, owner: str | None = None,
+             all_owners: bool = False) -> list[dict[str, Any]]:
+        """Newest batches first (the key's own: a server shows nothing else)."""
+        if owner is not None or all_owners:
+            raise BackendError("--owner / --all-owners read the database directly, as its operator: run "
+                               "them without --server where the database is reachable (through a server, "
+                               "an admin key's dashboard shows every owner)")
         return self._call(self.client.list, limit=limit, after=after)["data"]
 
     def cancel(self, batch_id: str) -> dict[str, Any]:

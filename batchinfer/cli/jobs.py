@@ -64,14 +64,20 @@ def _check_window(window: str) -> None:
         _fail(f"--completion-window: {exc}")
 
 
-def _print_batch(batch: dict[str, Any], as_json: bool) -> None:
+def _print_batch(batch: dict[str, Any], as_json: bool, *, show_owner: bool = False) -> None:
+    """One line per batch (its owner named when it is not the CLI's own `local`, or `show_owner`)."""
+    from batchinfer.store import LOCAL_OWNER
+
     if as_json:
         click.echo(orjson.dumps(batch).decode())
         return
     counts = batch["request_counts"]
     progress = batch.get("progress") or {}
+    owner = batch.get("owner")
     line = (f"{batch['id']}  {batch['status']:<11}  {counts['completed']}/{counts['total']} done, "
             f"{counts['failed']} failed")
+    if owner is not None and (show_owner or owner != LOCAL_OWNER):
+        line += f", owner {owner}"
     if progress.get("tokens_per_second"):
         line += f", {progress['tokens_per_second']:.1f} tok/s"
     if progress.get("eta_seconds"):
@@ -182,7 +188,7 @@ def submit(file: Path, model: str | None, shard_size: int | None, priority: int,
 @server_option
 @json_option("Print the batch object as JSON.")
 def status(batch_id: str, as_json: bool) -> None:
-    """Show a job's status, counts, throughput and ETA."""
+    """Show a job's status, counts, throughput and ETA (any owner's: locally the CLI is the operator)."""
     try:
         batch = backend_for(cli_settings()).get(batch_id)
     except BackendError as exc:
@@ -193,16 +199,22 @@ def status(batch_id: str, as_json: bool) -> None:
 @click.command("list")
 @click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True)
 @click.option("--after", default=None, help="Show jobs older than this batch id (pagination).")
+@click.option("--owner", default=None, metavar="NAME",
+              help="Jobs of this owner (an API key's owner; default: the CLI's own, 'local').")
+@click.option("--all-owners", is_flag=True, help="Jobs of every owner (the operator's view), owner shown.")
 @server_option
 @json_option("One JSON object per line.")
-def list_(limit: int, after: str | None, as_json: bool) -> None:
-    """List jobs, newest first."""
+def list_(limit: int, after: str | None, owner: str | None, all_owners: bool, as_json: bool) -> None:
+    """List jobs, newest first: the CLI's own (owner 'local'), another owner's, or every owner's."""
+    if owner is not None and all_owners:
+        _fail("--owner and --all-owners: give one of them (--all-owners already includes every owner)")
     try:
-        batches = backend_for(cli_settings()).list(limit=limit, after=after)
+        batches = backend_for(cli_settings()).list(limit=limit, after=after, owner=owner,
+                                                   all_owners=all_owners)
     except BackendError as exc:
         _fail(str(exc))
     for batch in batches:
-        _print_batch(batch, as_json)
+        _print_batch(batch, as_json, show_owner=all_owners or owner is not None)
 
 
 @click.command()
@@ -214,7 +226,8 @@ def list_(limit: int, after: str | None, as_json: bool) -> None:
 @server_option
 @json_option("Print a summary object (to stderr when the lines themselves go to stdout).")
 def results(batch_id: str, output: Path | None, errors: Path | None, as_json: bool) -> None:
-    """Download a job's results (OpenAI batch output lines, input order); partial while it runs."""
+    """Download a job's results (OpenAI batch output lines, input order; any owner's job when local);
+    partial while it runs."""
     from batchinfer.store.models import JOB_TERMINAL_STATUSES
 
     try:
@@ -240,7 +253,8 @@ def results(batch_id: str, output: Path | None, errors: Path | None, as_json: bo
 @server_option
 @json_option("Print the batch object as JSON.")
 def cancel(batch_id: str, as_json: bool) -> None:
-    """Cancel a job (cancelling while workers abort, then cancelled); finished results are kept."""
+    """Cancel a job (cancelling while workers abort, then cancelled; any owner's job when local); finished
+    results are kept."""
     try:
         batch = backend_for(cli_settings()).cancel(batch_id)
     except BackendError as exc:

@@ -5,7 +5,8 @@ cannot be brute-forced, and it lets authentication be one indexed lookup on `key
 is compared again with `hmac.compare_digest`, so no code path compares secret bytes in variable time.
 
 Each key belongs to an owner; files and jobs belong to owners, so several keys of one owner (rotation)
-see the same objects. The owner defaults to the key's name.
+see the same objects. The owner defaults to the key's name. An `admin` key's dashboard also shows every
+owner's batches (the CLI's and schedules' `local` ones included); over the REST API it is an ordinary key.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ MAX_KEY_CHARS = 256
 LAST_USED_RESOLUTION = timedelta(seconds=60)
 
 
-_BY_HASH = (select(ApiKey.id, ApiKey.owner, ApiKey.key_hash, ApiKey.revoked_at, ApiKey.last_used_at)
+_BY_HASH = (select(ApiKey.id, ApiKey.owner, ApiKey.key_hash, ApiKey.revoked_at, ApiKey.last_used_at,
+                   ApiKey.admin)
             .where(ApiKey.key_hash == bindparam("digest")))
 
 
@@ -38,8 +40,10 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def create_key(session: Session, *, name: str, owner: str | None = None) -> tuple[str, ApiKey]:
-    """Create a key; returns (the plaintext key, shown only this once, and its row)."""
+def create_key(session: Session, *, name: str, owner: str | None = None,
+               admin: bool = False) -> tuple[str, ApiKey]:
+    """Create a key (`admin`: its dashboard sees every owner); returns (the plaintext key, shown only this
+    once, and its row)."""
     name = name.strip()
     if not name or len(name) > 128:
         raise ValueError("key name must be 1 to 128 characters")
@@ -48,7 +52,7 @@ def create_key(session: Session, *, name: str, owner: str | None = None) -> tupl
         raise ValueError("owner must be 1 to 128 characters")
     plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
     row = ApiKey(owner=owner, name=name, key_hash=hash_key(plaintext),
-                 prefix=plaintext[:DISPLAY_PREFIX_CHARS])
+                 prefix=plaintext[:DISPLAY_PREFIX_CHARS], admin=admin)
     with write_transaction(session):
         session.add(row)
     return plaintext, row
@@ -73,11 +77,13 @@ def revoke_key(session: Session, *, key_id: int) -> ApiKey | None:
 
 @dataclass(frozen=True, slots=True)
 class KeyMatch:
-    """A valid, unrevoked key: its owner, and whether its last_used_at is due for a refresh."""
+    """A valid, unrevoked key: its owner, whether it is an admin key, and whether its last_used_at is due
+    for a refresh."""
 
     key_id: int
     owner: str
     touch_due: bool
+    admin: bool = False
 
 
 def find_key(session: Session, *, key: str, now: datetime | None = None) -> KeyMatch | None:
@@ -91,7 +97,7 @@ def find_key(session: Session, *, key: str, now: datetime | None = None) -> KeyM
         return None
     now = now or utcnow()
     due = row.last_used_at is None or now - row.last_used_at >= LAST_USED_RESOLUTION
-    return KeyMatch(key_id=row.id, owner=row.owner, touch_due=due)
+    return KeyMatch(key_id=row.id, owner=row.owner, touch_due=due, admin=bool(row.admin))
 
 
 def touch_key(session: Session, *, key_id: int, now: datetime | None = None) -> None:
@@ -108,3 +114,9 @@ def authenticate(session: Session, *, key: str, now: datetime | None = None) -> 
     if match.touch_due:
         touch_key(session, key_id=match.key_id, now=now)
     return match.owner
+
+
+def is_admin_key(session: Session, *, key: str | None) -> bool:
+    """True for a valid, unrevoked admin key (read only: `authenticate` already touched it)."""
+    match = find_key(session, key=key) if key else None
+    return match is not None and match.admin

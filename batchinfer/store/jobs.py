@@ -210,7 +210,7 @@ def _ingest(session: Session, job: Job, stream: BinaryIO, limits: IngestLimits, 
     with write_transaction(session):
         current = lock_job(session, job.id)
         if current.ingest_owner != lease_owner:  # the rescuer failed it: this submit's lease is gone
-            raise IngestLeaseLost(f"job {job.id}: the ingest lease expired and the job was failed")
+            raise IngestLeaseLost(f"batch_{job.id}: the ingest lease expired and the job was failed")
         current.total_requests, current.failed_requests = result.total, result.invalid
         current.errors, current.num_errors = result.errors or None, result.invalid
         if current.status == JobStatus.VALIDATING:
@@ -274,8 +274,8 @@ def cancel_job(session: Session, *, job_id: int, owner: str | None = None) -> Jo
         if job.status in (JobStatus.CANCELLING, JobStatus.CANCELLED):
             return job
         if job.status not in JOB_CANCELLABLE_STATUSES:
-            raise JobStateError(f"job {job_id} is {job.status}; only a validating or in-progress job can be "
-                                "cancelled", status=job.status)
+            raise JobStateError(f"batch_{job_id} is {job.status}; only a validating or in-progress batch can "
+                                "be cancelled", status=job.status)
         stop_pending(session, job=job, status=JobStatus.CANCELLING, now=now)
         finalize_if_done(session, job=job, now=now)
     return job

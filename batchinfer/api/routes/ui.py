@@ -5,6 +5,10 @@ cancel, download), /ui/login. Fragments are re-fetched by htmx while something c
 tokens/s chart reads /ui/batches/{id}/timeline. Sign-in and CSRF rules: batchinfer.api.ui.auth. Creating,
 cancelling and downloading call the REST routes' functions themselves (with the dashboard's caller), so
 the dashboard can do nothing the REST API would refuse, and answers the same (404 for another owner's job).
+
+The admin view: an admin key (`batchinfer apikey create --admin`), or the loopback operator under
+`--auth-disabled`, sees every owner's batches (the CLI's and schedules' `local` ones included) with their
+owner, and may open, cancel and download any of them through the store's services, as the CLI does.
 """
 
 from __future__ import annotations
@@ -13,12 +17,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Form, Path, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from batchinfer.api.deps import SessionsDep, SettingsDep
+from batchinfer.api.deps import Caller, SessionsDep, SettingsDep
 from batchinfer.api.errors import APIError
 from batchinfer.api.routes.batches import cancel_batch, create_batch
 from batchinfer.api.routes.files import file_content, store_upload
@@ -40,7 +44,11 @@ from batchinfer.api.ui.auth import (
 from batchinfer.api.ui.templating import STATIC_DIR, render
 from batchinfer.api.ui.views import batch_view, find_job, jobs_view, timeline_view, workers_view
 from batchinfer.api.uploads import receive_upload
-from batchinfer.store.apikeys import authenticate
+from batchinfer.store.apikeys import authenticate, is_admin_key
+from batchinfer.store.errors import JobNotFound, JobStateError
+from batchinfer.store.export import export_results
+from batchinfer.store.jobs import cancel_job
+from batchinfer.store.serialize import parse_batch_id
 
 router = APIRouter(prefix=UI_PATH, include_in_schema=False)
 
@@ -101,21 +109,41 @@ async def logout(request: Request) -> Response:
 # --- the jobs page ---------------------------------------------------------------------------------
 
 
+def is_admin(session: Session, caller: Caller) -> bool:
+    """The admin view's rule (module docstring): an admin key, or the loopback operator without keys."""
+    return caller.settings.auth_disabled or is_admin_key(session, key=caller.api_key)
+
+
+def _visible_owner(session: Session, caller: Caller, owner: str) -> str | None:
+    """Whose jobs the caller sees: its own, or everyone's (None) in the admin view."""
+    return None if is_admin(session, caller) else owner
+
+
 @router.get("")
 async def home(request: Request, caller: UiCallerDep) -> Response:
-    """Upload a file, your jobs, the workers."""
-    owner, jobs, workers = await read_as_ui(caller, lambda s, o: (o, jobs_view(s, owner=o), workers_view(s)))
+    """Upload a file, your jobs (every owner's in the admin view), the workers."""
+
+    def work(session: Session, owner: str) -> tuple[str, bool, list, list]:
+        admin = is_admin(session, caller)
+        return owner, admin, jobs_view(session, owner=None if admin else owner), workers_view(session)
+
+    owner, admin, jobs, workers = await read_as_ui(caller, work)
     default_model = caller.settings.default_model
     models = sorted({worker["model"] for worker in workers} | {default_model})
-    return render(request, "home.html", {"owner": owner, "jobs": jobs, "workers": workers,
+    return render(request, "home.html", {"owner": owner, "admin": admin, "jobs": jobs, "workers": workers,
                                          "default_model": default_model, "models": models})
 
 
 @router.get("/jobs")
 async def jobs_fragment(request: Request, caller: UiCallerDep) -> Response:
     """The jobs table (re-fetched every few seconds)."""
-    jobs = await read_as_ui(caller, lambda s, o: jobs_view(s, owner=o))
-    return render(request, "_jobs.html", {"jobs": jobs})
+
+    def work(session: Session, owner: str) -> tuple[bool, list]:
+        admin = is_admin(session, caller)
+        return admin, jobs_view(session, owner=None if admin else owner)
+
+    admin, jobs = await read_as_ui(caller, work)
+    return render(request, "_jobs.html", {"jobs": jobs, "admin": admin})
 
 
 @router.get("/workers")
@@ -153,10 +181,11 @@ async def upload(request: Request, caller: UiCallerDep, settings: SettingsDep,
 
 
 async def _job_page_data(caller: UiCallerDep, batch_id: str, view: Any) -> Any:
-    """view(session, job) for the caller's job, or None when it is not theirs (or does not exist)."""
+    """view(session, job) for the caller's job (any job in the admin view), or None when it is not theirs
+    (or does not exist)."""
 
     def work(session: Session, owner: str) -> Any:
-        job = find_job(session, owner=owner, batch_id=batch_id)
+        job = find_job(session, owner=_visible_owner(session, caller, owner), batch_id=batch_id)
         return None if job is None else view(session, job)
 
     return await read_as_ui(caller, work)
@@ -200,8 +229,11 @@ async def timeline(request: Request, batch_id: BatchId, caller: UiCallerDep) -> 
 
 @router.post("/batches/{batch_id}/cancel", dependencies=Htmx)
 async def cancel(request: Request, batch_id: BatchId, caller: UiCallerDep) -> Response:
-    """Cancel the job (POST /v1/batches/{id}/cancel), then show its progress panel."""
+    """Cancel the job (POST /v1/batches/{id}/cancel; any owner's in the admin view), then show its progress
+    panel."""
     try:
+        if await read_as_ui(caller, lambda s, _: is_admin(s, caller)):
+            return await _admin_cancel(request, batch_id, caller)
         await cancel_batch(batch_id=batch_id, caller=caller, request=request)
     except APIError as exc:
         if exc.status_code == 401:
@@ -216,7 +248,10 @@ async def cancel(request: Request, batch_id: BatchId, caller: UiCallerDep) -> Re
 @router.get("/batches/{batch_id}/download/{kind}")
 async def download(batch_id: BatchId, kind: Literal["output", "errors"], caller: UiCallerDep,
                    request: Request) -> Response:
-    """The job's output or error file (GET /v1/files/{id}/content), as an attachment."""
+    """The job's output or error file (GET /v1/files/{id}/content; any owner's in the admin view), as an
+    attachment."""
+    if await read_as_ui(caller, lambda s, _: is_admin(s, caller)):
+        return await _admin_download(request, batch_id, kind, caller)
     job_number = batch_id.removeprefix("batch_")
     file_id = f"file-{'out' if kind == 'output' else 'err'}-{job_number}"
     try:
@@ -228,3 +263,40 @@ async def download(batch_id: BatchId, kind: Literal["output", "errors"], caller:
     response.headers["Content-Disposition"] = f'attachment; filename="{batch_id}_{kind}.jsonl"'
     return response
 
+
+
+# --- the admin view's actions on any owner's job (the store's services, as the CLI operator uses) ----
+
+
+async def _admin_cancel(request: Request, batch_id: str, caller: Caller) -> Response:
+    job_id = parse_batch_id(batch_id)
+
+    def work(session: Session, _owner: str) -> str | None:
+        if job_id is None:
+            raise JobNotFound(batch_id)
+        cancel_job(session, job_id=job_id)
+        return None
+
+    try:
+        await read_as_ui(caller, work)
+    except JobNotFound:
+        return _fragment_not_found(request, batch_id)
+    except JobStateError as exc:
+        return render(request, "_message.html", {"tone": "bad", "message": f"Cannot cancel a batch with "
+                                                                             f"status '{exc.status}'."},
+                      status_code=400)
+    request.app.state.status_cache.drop(job_id)  # read-your-writes, as the REST route does
+    return await status_fragment(request, batch_id, caller)
+
+
+async def _admin_download(request: Request, batch_id: str, kind: str, caller: Caller) -> Response:
+    job = await read_as_ui(caller, lambda s, _: find_job(s, owner=None, batch_id=batch_id))
+    if job is None:
+        return _not_found(request, batch_id)
+
+    def lines() -> Any:
+        with caller.sessions() as session:
+            yield from export_results(session, job_id=job.id, kind="output" if kind == "output" else "errors")
+
+    return StreamingResponse(lines(), media_type="application/jsonl", headers={
+        "Content-Disposition": f'attachment; filename="{batch_id}_{kind}.jsonl"'})

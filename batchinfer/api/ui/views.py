@@ -67,16 +67,18 @@ def _row(batch: dict[str, Any]) -> dict[str, Any]:
             "eta": duration(progress.get("eta_seconds")), "created": _clock(batch["created_at"])}
 
 
-def jobs_view(session: Session, *, owner: str, limit: int = JOBS_ON_PAGE) -> list[dict[str, Any]]:
-    """The owner's newest jobs as table rows."""
+def jobs_view(session: Session, *, owner: str | None, limit: int = JOBS_ON_PAGE) -> list[dict[str, Any]]:
+    """The owner's newest jobs as table rows (every owner's when `owner` is None: the admin view)."""
     jobs = list_jobs(session, owner=owner, limit=limit)
     served = served_models(session)
     started = first_claims(session, job_ids=[job.id for job in jobs])
-    return [_row(batch_object(job, served_models=served, started_at=started.get(job.id))) for job in jobs]
+    return [{**_row(batch_object(job, served_models=served, started_at=started.get(job.id))),
+             "owner": job.owner} for job in jobs]
 
 
-def find_job(session: Session, *, owner: str, batch_id: str) -> Job | None:
-    """The owner's job behind `batch_id` (None for another owner's job, like the REST API's 404)."""
+def find_job(session: Session, *, owner: str | None, batch_id: str) -> Job | None:
+    """The owner's job behind `batch_id` (None for another owner's job, like the REST API's 404; any
+    owner's when `owner` is None: the admin view)."""
     job_id = parse_batch_id(batch_id)
     return get_job(session, job_id=job_id, owner=owner) if job_id is not None else None
 
@@ -84,6 +86,7 @@ def find_job(session: Session, *, owner: str, batch_id: str) -> Job | None:
 def batch_view(session: Session, job: Job) -> dict[str, Any]:
     """One job's page: its row, and the first error lines."""
     row = _row(current_batch_object(session, job))
+    row["owner"] = job.owner
     row["errors_preview"] = errors_preview(session, job)
     return row
 
