@@ -115,18 +115,27 @@ def wait_and_hand_back(runner: ShardRunner, exc: BaseException, *, stop: threadi
     does, finished results are written and the shards released, so they run again at once (pending
     requests only) instead of waiting for their leases to expire.
     """
-    logger.warning("database unreachable while running shards (%s); handing them back once it answers", exc)
+    logger.warning("database unreachable or refusing writes (%s); handing shards back once it takes writes",
+                   exc)
     delay = 0.5
     while stop is None or not stop.is_set():
         try:
             with runner.sessions() as session:
                 ping(session)
             stats = runner.hand_back()
+            # A database that reads but cannot write (a full disk) is still away: probe with the registry's
+            # own write, or an idle worker (nothing to hand back) retries its failed write at once, forever.
+            with runner.sessions() as session:
+                worker_store.worker_heartbeat(session, worker_id=runner.worker_id,
+                                              info=runner.metrics.heartbeat_info())
         except DBAPIError as again:
             if not is_database_outage(again):
                 raise
-            time.sleep(delay)
-            delay = min(max_delay_s, delay * 2)
+            if stop is None:
+                time.sleep(delay)
+            else:
+                stop.wait(delay)
+            delay = min(max_delay_s, delay * 2)  # capped exponential backoff
             continue
         logger.info("database back: handed %d shard(s) back", stats.shards_released)
         return
