@@ -24,17 +24,31 @@ def _fail(message: str) -> None:
     fail(message)  # one line, or a JSON object under --json (output.py)
 
 
-def _describe(schedule: Any) -> dict[str, Any]:
+def _next_run(schedule: Any) -> str | None:
+    """The next slot in the schedule's own timezone (ISO 8601 with its offset), None while paused."""
+    from zoneinfo import ZoneInfo
+
     from batchinfer.store.models import utcnow
     from batchinfer.store.schedules import next_slot
 
+    if not schedule.enabled:
+        return None
+    slot = next_slot(schedule, after=max(utcnow(), schedule.last_slot_at))
+    return slot.astimezone(ZoneInfo(schedule.timezone)).isoformat()
+
+
+def _when(next_run: str | None, timezone: str) -> str:
+    """'2026-12-04 02:30 Europe/Rome' for a next_run of _next_run."""
+    return "-" if next_run is None else f"{next_run[:16].replace('T', ' ')} {timezone}"
+
+
+def _describe(schedule: Any) -> dict[str, Any]:
     return {
         "name": schedule.name, "cron": schedule.cron, "timezone": schedule.timezone,
         "enabled": schedule.enabled, "model": schedule.model, "input": schedule.input_template,
         "output": schedule.output_template, "errors": schedule.errors_template, "params": schedule.params,
         "webhook_url": schedule.webhook_url, "catchup": schedule.catchup,
-        "next_run": next_slot(schedule, after=max(utcnow(), schedule.last_slot_at)).isoformat()
-        if schedule.enabled else None,
+        "next_run": _next_run(schedule),
     }
 
 
@@ -70,9 +84,11 @@ def schedule() -> None:
 @click.option("--timezone", "--tz", "timezone", default="UTC", show_default=True,
               help="IANA timezone of the cron.")
 @click.option("--input", "input_template", required=True,
-              help="Input path template, e.g. 'data/{date:%Y-%m-%d}/prompts.jsonl' (globs allowed).")
-@click.option("--output", "output_template", default=None, help="Results path template.")
-@click.option("--errors", "errors_template", default=None, help="Error lines path template.")
+              help="Input path template, e.g. 'data/{date:%Y-%m-%d}/prompts.jsonl' (globs allowed; a "
+                   "relative path is stored absolute, from the current directory).")
+@click.option("--output", "output_template", default=None, help="Results path template (stored absolute).")
+@click.option("--errors", "errors_template", default=None,
+              help="Error lines path template (stored absolute).")
 @click.option("--model", "-m", default=None, help="Model (default: settings.default_model).")
 @click.option("--param", multiple=True, metavar="KEY=VALUE",
               help="Default sampling field for lines without it.")
@@ -98,7 +114,9 @@ def add(name: str, cron: str, timezone: str, input_template: str, output_templat
         except ScheduleError as exc:
             _fail(str(exc))
         info = _describe(created)
-    emit(info, f"schedule {name}: next run {info['next_run']}")
+    paths = "".join(f"\n  {field:7} {info[key]}" for field, key in
+                    (("input", "input"), ("output", "output"), ("errors", "errors")) if info[key])
+    emit(info, f"schedule {name}: next run {_when(info['next_run'], info['timezone'])}{paths}")
 
 
 @schedule.command("list")
@@ -115,7 +133,7 @@ def list_(as_json: bool) -> None:
             else:
                 state = "enabled" if info["enabled"] else "paused"
                 click.echo(f"{info['name']}  {info['cron']} ({info['timezone']})  {state}  "
-                           f"next {info['next_run']}")
+                           f"next {_when(info['next_run'], info['timezone'])}")
 
 
 @schedule.command("show")

@@ -19,7 +19,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings, get_settings
-from batchinfer.destinations import DestinationRefused, check_schedule_path, check_webhook_url, schedule_roots
+from batchinfer.destinations import (
+    DestinationRefused,
+    absolute_template,
+    check_schedule_path,
+    check_webhook_form,
+    schedule_roots,
+)
 from batchinfer.store import LOCAL_OWNER
 from batchinfer.store.db import write_transaction
 from batchinfer.store.models import Schedule, ScheduleRun, ScheduleRunStatus, WebhookDelivery, utcnow
@@ -69,9 +75,14 @@ def add_schedule(session: Session, *, name: str, cron: str, input_template: str,
     """Create an enabled schedule; its first slot is the first cron time after `now`.
 
     Its jobs belong to `owner`: LOCAL_OWNER (the default) makes them the local CLI's own, so `status`,
-    `list`, `results` and `cancel` see them. Its paths must lie in schedule_roots and its webhook reach a
-    public address (batchinfer.destinations, under `settings`, default the process settings).
+    `list`, `results` and `cancel` see them. Relative path templates are stored absolute, against the
+    working directory of this call; its paths must lie in schedule_roots and its webhook be a well-formed
+    http(s) URL, not to a private address written in it (batchinfer.destinations, under `settings`,
+    default the process settings; the name's addresses are checked at each delivery).
     """
+    input_template = absolute_template(input_template)
+    output_template = absolute_template(output_template) if output_template is not None else None
+    errors_template = absolute_template(errors_template) if errors_template is not None else None
     validate_schedule(cron=cron, timezone=timezone, catchup=catchup, input_template=input_template,
                       output_template=output_template)
     if errors_template is not None:
@@ -95,7 +106,8 @@ def add_schedule(session: Session, *, name: str, cron: str, input_template: str,
 
 def check_destinations(settings: Settings, *, webhook_url: str | None,
                        templates: dict[str, str | None]) -> None:
-    """ScheduleError unless the webhook and every path template (rendered for a sample slot) are allowed."""
+    """ScheduleError unless the webhook's form and every path template (rendered for a sample slot) are
+    allowed."""
     roots = schedule_roots(settings)
     sample = datetime(2000, 1, 2, 3, 4, tzinfo=ZoneInfo("UTC"))
     try:
@@ -103,7 +115,7 @@ def check_destinations(settings: Settings, *, webhook_url: str | None,
             if template is not None:
                 check_schedule_path(render_template(template, sample, name="x"), roots, field=field)
         if webhook_url is not None:
-            check_webhook_url(webhook_url, allow_private=settings.webhook_allow_private)
+            check_webhook_form(webhook_url, allow_private=settings.webhook_allow_private)
     except DestinationRefused as exc:
         raise ScheduleError(str(exc)) from None
 

@@ -29,12 +29,13 @@ def test_schedule_lifecycle(env: Path) -> None:
                      "--input", template, "--output", str(env / "out" / "{date:%Y-%m-%d}.jsonl"),
                      "--param", "max_tokens=8", "--param", "temperature=0")
     assert code == 0, out
-    assert "next run" in out and ":30:00" in out
+    assert "next run" in out and " 02:30 Europe/Rome" in out  # in the schedule's timezone, not UTC
     code, out = _cli("schedule", "add", "nightly", "--cron", "30 2 * * *", "--input", template)
     assert code == 1 and "exists already" in out
     code, out = _cli("schedule", "list", "--json")
     listed = orjson.loads(out)
     assert listed["name"] == "nightly" and listed["enabled"]
+    assert listed["next_run"].endswith(("T02:30:00+01:00", "T02:30:00+02:00"))  # Rome's offset
     assert listed["params"] == {"max_tokens": 8, "temperature": 0}
     assert _cli("schedule", "pause", "nightly")[0] == 0
     assert orjson.loads(_cli("schedule", "show", "nightly", "--json")[1])["enabled"] is False

@@ -4,6 +4,7 @@ input and output paths confined to schedule_roots, at `schedule add` and at run 
 from __future__ import annotations
 
 import http.server
+import re
 import socket
 import threading
 import time
@@ -16,6 +17,8 @@ from sqlalchemy import select
 from batchinfer.config import Settings
 from batchinfer.destinations import (
     DestinationRefused,
+    absolute_template,
+    check_webhook_form,
     check_webhook_url,
     pinned_webhook_request,
     schedule_roots,
@@ -204,3 +207,37 @@ def test_delivery_rechecks_the_url(sqlite_url: str, tmp_path: Path) -> None:
     assert deliver_webhooks(settings=strict, now=T0) == 0
     with session_factory(sqlite_url)() as session:
         assert "webhook_allow_private" in session.scalars(select(WebhookDelivery)).one().last_error
+
+
+@pytest.mark.parametrize("url", ["https://hooks.example.com/batch", "http://receiver.invalid:8080/x",
+                                 "https://93.184.216.34/hook", "https://b\u00fccher.example/hook"])
+def test_schedule_add_checks_a_webhook_for_its_form_only(url: str) -> None:
+    """A name need not resolve where the schedule is added (delivery checks its addresses)."""
+    check_webhook_form(url, allow_private=False)
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("ftp://hooks.example.com/x", "http:// or https://"), ("https:///x", "http:// or https://"),
+    ("https://bad_host!.example.com/x", "not a valid host name"), ("https://-a.example.com/", "valid host"),
+    ("https://hooks.example.com:99999/", "invalid port"), ("http://10.0.0.5/hook", "webhook_allow_private"),
+    ("http://[::1]/hook", "webhook_allow_private")])
+def test_a_malformed_or_literally_private_webhook_is_refused_at_add(url: str, says: str) -> None:
+    with pytest.raises(DestinationRefused, match=re.escape(says)):
+        check_webhook_form(url, allow_private=False)
+
+
+def test_relative_templates_are_stored_absolute_from_where_add_ran(sqlite_url: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = _settings(sqlite_url, tmp_path, schedule_roots=[tmp_path])
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    schedule = _add(settings, tmp_path, input_template="data/{date:%Y-%m-%d}/in.jsonl",
+                    output_template="results/{date:%Y-%m-%d}.jsonl",
+                    errors_template="results/{date:%Y-%m-%d}.errors.jsonl",
+                    webhook_url="https://hooks.example.com/batch")
+    work = tmp_path / "work"
+    assert (schedule.input_template, schedule.output_template, schedule.errors_template) == (
+        f"{work}/data/{{date:%Y-%m-%d}}/in.jsonl", f"{work}/results/{{date:%Y-%m-%d}}.jsonl",
+        f"{work}/results/{{date:%Y-%m-%d}}.errors.jsonl")
+    assert absolute_template("~/x/{name}.jsonl") == str(Path.home() / "x" / "{name}.jsonl")
+    assert absolute_template("/abs/{name}") == "/abs/{name}"
