@@ -170,6 +170,11 @@ class Settings(BaseSettings):
         100, ge=1, description="Jobs not yet finished one owner may have; 0 or none: no limit.")
     max_owner_pending_requests: int | None = Field(
         20_000_000, ge=1, description="Requests one owner may have waiting to run; 0 or none: no limit.")
+    max_owner_concurrent_uploads: int = Field(
+        4, ge=1, description="Uploads one owner may stream at once to one API process (more: 429).")
+    allowed_models: list[str] = Field(
+        default_factory=list, description="Models a batch may name besides default_model and the models "
+        "live workers serve; empty: those only (any name while no worker is live).")
     finished_job_retention_seconds: float | None = Field(
         30 * 86400.0, gt=0, description="Finished jobs older than this are purged; 0 or none: kept forever.")
     purge_interval_seconds: float = Field(3600.0, gt=0, description="How often the purge step runs.")
@@ -178,7 +183,8 @@ class Settings(BaseSettings):
     webhook_allow_private: bool = Field(
         False, description="Allow webhooks to loopback, link-local and private addresses.")
     webhook_timeout_seconds: float = Field(10.0, gt=0, description="Whole-call limit of one webhook.")
-    metrics_token: SecretStr | None = Field(None, description="Bearer token /metrics requires; unset: open.")
+    metrics_token: SecretStr | None = Field(
+        None, description="Bearer token /metrics requires; unset: open, with per-model series aggregated.")
 
     # Engine knobs (the worker's defaults; see batchinfer.engine.config.EngineConfig).
     device: str = "auto"
@@ -212,6 +218,11 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=1, le=65535)
     auth_disabled: bool = Field(False, description="Only honoured when api_host is a loopback address.")
+    api_shutdown_timeout_seconds: float = Field(
+        30.0, gt=0, description="On SIGTERM the API waits this long for requests (uploads) to end, then "
+        "cuts them off.")
+    staged_upload_max_idle_seconds: float = Field(
+        3600.0, gt=0, description="At API start, staged uploads of dead processes, or idle this long, go.")
 
     @field_validator("speculative_config", mode="after")
     @classmethod

@@ -28,7 +28,8 @@ from batchinfer.engine.errors import RankFailedError
 from batchinfer.store import shards as shard_store
 from batchinfer.store import workers as worker_store
 from batchinfer.store.errors import LeaseLost
-from batchinfer.store.models import ShardStatus
+from batchinfer.store.models import JOB_TERMINAL_STATUSES, ShardStatus
+from batchinfer.store.result_files import record_result_sizes_in_background
 from batchinfer.store.shards import PendingRequest, ShardLease
 from workers.metrics import WorkerMetrics
 from workers.result_rows import embedding_row, error_row, result_row
@@ -319,6 +320,8 @@ class ShardRunner:
                     status = shard_store.complete_shard(session, shard_id=shard_id,
                                                         lease_token=flight.lease.lease_token)
                 logger.info("completed shard %s (job now %s)", shard_id, status)
+                if status in JOB_TERMINAL_STATUSES:  # its output / error files exist now: size them once
+                    record_result_sizes_in_background(self.sessions, job_id=flight.lease.job_id)
                 stats.shards_completed += 1
                 self.metrics.shard_completed()
             except LeaseLost:

@@ -22,7 +22,7 @@ from batchinfer.api.loopback import LoopbackOnly, is_loopback
 from batchinfer.api.routes import batches, files, health, ui
 from batchinfer.config import Settings, get_settings
 from batchinfer.store.db import session_factory
-from batchinfer.store.files import files_dir
+from batchinfer.store.files import files_dir, remove_stale_uploads
 
 __all__ = ["UnsafeConfiguration", "create_app", "is_loopback"]
 
@@ -54,6 +54,9 @@ def create_app(settings: Settings | None = None, *, auth_cache_ttl_s: float = AU
             "or bind 127.0.0.1"
         )
     files_dir(settings.data_dir).mkdir(parents=True, exist_ok=True)
+    stale = remove_stale_uploads(settings.data_dir, max_idle_s=settings.staged_upload_max_idle_seconds)
+    if stale:  # a killed API's half-received uploads: counted by no quota, owned by no process
+        logger.warning("removed %d staged upload(s) left by a stopped API process", len(stale))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -64,11 +67,11 @@ def create_app(settings: Settings | None = None, *, auth_cache_ttl_s: float = AU
                   docs_url="/docs", redoc_url=None)
     app.state.settings = settings
     app.state.session_factory = session_factory(settings.effective_database_url)
-    app.state.jobs_registry = metrics.jobs_registry(app.state.session_factory)
+    app.state.jobs_registry = metrics.jobs_registry(app.state.session_factory, settings)
     app.state.ingest_pool = None  # created on first use: an app may serve again after a lifespan ended
     app.state.auth_cache = PollCache(auth_cache_ttl_s)
     app.state.status_cache = PollCache(status_cache_ttl_s)
-    app.state.result_file_sizes = {}  # (job id, kind) -> bytes of a finished job's generated file
+    app.state.uploads_in_flight = {}  # owner -> uploads streaming now (api.limits.upload_slot)
 
     install_error_handlers(app)
     app.add_middleware(metrics.LatencyMiddleware)

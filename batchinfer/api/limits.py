@@ -1,14 +1,18 @@
-"""Quotas and expiry policies at the API (README "Security"): 429 for an owner over a limit, and
-OpenAI's `expires_after` of an upload ({"anchor": "created_at", "seconds": N}, sent as the form fields
-`expires_after[anchor]` and `expires_after[seconds]`)."""
+"""Quotas and expiry policies at the API (README "Security"): 429 for an owner over a limit (stored
+bytes, jobs, requests, uploads streaming at once), and OpenAI's `expires_after` of an upload
+({"anchor": "created_at", "seconds": N}, sent as the form fields `expires_after[anchor]` and
+`expires_after[seconds]`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime, timedelta
 
+from fastapi import FastAPI
+
 from batchinfer.api.errors import APIError, bad_request
+from batchinfer.config import Settings
 from batchinfer.store.quotas import QuotaExceeded
 
 # OpenAI's bounds for expires_after.seconds: one hour to thirty days.
@@ -22,6 +26,26 @@ def quota_errors() -> Iterator[None]:
         yield
     except QuotaExceeded as exc:
         raise APIError(429, str(exc), code="quota_exceeded", param=None) from None
+
+
+@asynccontextmanager
+async def upload_slot(app: FastAPI, owner: str, settings: Settings) -> AsyncIterator[None]:
+    """One of the owner's max_owner_concurrent_uploads upload slots in this process, else 429 at once.
+
+    Counted on the event loop (no lock needed): uploads are streamed by async routes."""
+    in_flight: dict[str, int] = app.state.uploads_in_flight
+    limit = settings.max_owner_concurrent_uploads
+    if in_flight.get(owner, 0) >= limit:
+        raise APIError(429, f"Too many uploads at once: you are already sending {limit}, the limit "
+                       f"is {limit} "
+                       "(max_owner_concurrent_uploads). Wait for one to finish.", code="quota_exceeded")
+    in_flight[owner] = in_flight.get(owner, 0) + 1
+    try:
+        yield
+    finally:
+        in_flight[owner] -= 1
+        if not in_flight[owner]:
+            del in_flight[owner]
 
 
 def check_expires_after(anchor: object, seconds: object, *, param: str) -> int:

@@ -1,5 +1,10 @@
 """GET /metrics: the process's Prometheus registry (engine metrics, API counters) plus job metrics read
 from the database at scrape time (batchinfer.store.stats, cheap by construction).
+
+A batch's model is tenant text, so the per-model gauges are bounded: a model is its own label only when
+it is known (api.known_models: default, allow-list, served by a live worker), else "other". Without a
+metrics_token the endpoint is open and those gauges are aggregated (model="all"): an anonymous scrape
+learns no model names; with the token it must authenticate and gets them per known model.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchinfer.api.errors import APIError
-from batchinfer.engine.metrics import PREFIX, model_label
+from batchinfer.api.known_models import known_models, model_label
+from batchinfer.config import Settings
+from batchinfer.engine.metrics import PREFIX
 from batchinfer.store.models import JobStatus, ShardStatus
 from batchinfer.store.stats import job_totals_by_status, open_shards_by_model
 
@@ -57,8 +64,10 @@ _UNFINISHED_REQUEST_STATUS = {
 class JobsCollector(Collector):
     """Job, request and queue gauges computed from the database at scrape time."""
 
-    def __init__(self, session_factory: sessionmaker[Session]) -> None:
+    def __init__(self, session_factory: sessionmaker[Session], settings: Settings) -> None:
         self.session_factory = session_factory
+        self.settings = settings
+        self.per_model = bool(settings.metrics_token and settings.metrics_token.get_secret_value())
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """Run the scrape-time queries and yield the gauges."""
@@ -72,6 +81,7 @@ class JobsCollector(Collector):
         with self.session_factory() as session:
             by_status = job_totals_by_status(session)
             shards = open_shards_by_model(session)
+            known = known_models(session, self.settings) if self.per_model else frozenset()
         request_totals = dict.fromkeys(("pending", "succeeded", "errored", "canceled", "expired"), 0)
         job_counts = dict.fromkeys((str(s) for s in JobStatus), 0)
         for row in by_status:
@@ -85,19 +95,19 @@ class JobsCollector(Collector):
             jobs.add_metric([status], count)
         for status, count in request_totals.items():
             requests.add_metric([status], count)
-        by_label: dict[tuple[bool, str], int] = {}  # model names, never file paths (model_label)
+        by_label: dict[tuple[bool, str], int] = {}  # known model names, or one bounded label
         for status, model, count in shards:
-            key = (status == ShardStatus.AVAILABLE, model_label(model))
+            key = (status == ShardStatus.AVAILABLE, model_label(model, known) if self.per_model else "all")
             by_label[key] = by_label.get(key, 0) + count
         for (available, label), count in by_label.items():
             (queue if available else running).add_metric([label], count)
         yield from (jobs, requests, queue, running)
 
 
-def jobs_registry(session_factory: sessionmaker[Session]) -> CollectorRegistry:
+def jobs_registry(session_factory: sessionmaker[Session], settings: Settings) -> CollectorRegistry:
     """A registry holding one app's DB collector (kept apart from the process-wide default registry)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(JobsCollector(session_factory))
+    registry.register(JobsCollector(session_factory, settings))
     return registry
 
 

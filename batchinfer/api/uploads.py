@@ -34,8 +34,10 @@ class Upload:
     fields: dict[str, str] = field(default_factory=dict)  # every small form field (the web form sends more)
 
 
-async def receive_upload(request: Request, settings: Settings) -> Upload:
-    """Check the headers, stream the body to a staged file; 400 / 413 (OpenAI shape) when it is unusable."""
+async def receive_upload(request: Request, settings: Settings, *, quota_left: int | None = None) -> Upload:
+    """Check the headers, stream the body to a staged file; 400 / 413 (OpenAI shape) when it is unusable.
+
+    `quota_left`: the owner's storage left; the file stops (store.quotas.QuotaExceeded) once past it."""
     content_type, _ = parse_options_header(request.headers.get("content-type"))
     if content_type != b"multipart/form-data":
         raise bad_request("Content-Type must be multipart/form-data with the fields 'file' (a JSONL file) "
@@ -43,7 +45,7 @@ async def receive_upload(request: Request, settings: Settings) -> Upload:
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES:
         raise _too_large(settings.max_upload_bytes)
-    form = StreamingForm(settings)
+    form = StreamingForm(settings, quota_left=quota_left)
     staged = await form.parse(request)
     if staged is None:
         raise bad_request("Missing required parameter: 'file' (a JSONL file).", param="file")
@@ -66,8 +68,9 @@ class StreamingForm:
     The on_* methods are python-multipart's parser callbacks.
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, quota_left: int | None = None) -> None:
         self.settings = settings
+        self.quota_left = quota_left
         self.fields: dict[str, str] = {}
         self.filename: str | None = None
         self.writer: file_store.UploadWriter | None = None
@@ -124,7 +127,9 @@ class StreamingForm:
                               param="file", code="invalid_value")
         self.writer = file_store.UploadWriter(self.settings.data_dir,
                                               max_bytes=self.settings.max_upload_bytes,
-                                              max_line_bytes=self.settings.max_line_bytes)
+                                              max_line_bytes=self.settings.max_line_bytes,
+                                              quota_left=self.quota_left,
+                                              quota=self.settings.max_owner_stored_bytes)
         self._in_file = True
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:

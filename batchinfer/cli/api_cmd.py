@@ -1,8 +1,17 @@
-"""`batchinfer api`: serve the OpenAI-compatible REST API with uvicorn."""
+"""`batchinfer api`: serve the OpenAI-compatible REST API with uvicorn.
+
+On SIGTERM / SIGINT uvicorn stops accepting connections and waits up to api_shutdown_timeout_seconds for
+requests in flight (a slow upload included), then cancels them (their staged bytes are removed) and the
+process exits. An ingest still running then is abandoned: its job fails when its ingest lease expires
+(store.ingest_lease), as if the process had been killed.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+import threading
 
 import click
 
@@ -50,4 +59,21 @@ def api(host: str | None, port: int | None, auth_disabled: bool | None, log_leve
           "auth_disabled": settings.auth_disabled, "pid": os.getpid()})
     if not as_json:
         click.echo(f"batchinfer API on {url} (docs at /docs)", err=True)
-    uvicorn.run(app, host=settings.api_host, port=settings.api_port, log_level=log_level)
+    config = uvicorn.Config(app, host=settings.api_host, port=settings.api_port, log_level=log_level,
+                            timeout_graceful_shutdown=settings.api_shutdown_timeout_seconds)
+    uvicorn.Server(config).run()
+    _exit_past_lingering_ingests()
+
+
+def _exit_past_lingering_ingests() -> None:
+    """Exit now even if ingest threads still run (the interpreter would join them: no bounded shutdown)."""
+    lingering = [t for t in threading.enumerate() if t.name.startswith("batchinfer-ingest") and t.is_alive()]
+    if not lingering:
+        return
+    logging.getLogger("batchinfer.api").warning(
+        "%d ingest(s) still running are abandoned; their batches fail when their ingest lease expires",
+        len(lingering))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

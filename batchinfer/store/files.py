@@ -1,15 +1,19 @@
 """Uploaded input files: streamed to disk under a size limit, registered as File rows, listed, deleted.
 
-An upload is written chunk by chunk to `<data_dir>/files/.upload-<random>.tmp` (never held in memory),
-checked on the way (size limit, first line is a JSON object), then renamed to `file-<id>.jsonl` once
-its row has an id. A failed upload leaves nothing behind. Output and error files are not stored: they
-are generated from the database when read (see batchinfer.store.serialize for their ids).
+An upload is written chunk by chunk to `<data_dir>/files/.upload-<pid>-<random>.tmp` (never held in
+memory), checked on the way (size limit, the owner's storage left, first line is a JSON object), then
+renamed to `file-<id>.jsonl` once its row has an id. A failed upload leaves nothing behind; one whose
+process was killed is removed by the next API start (`remove_stale_uploads`). Its bytes are charged to
+the owner's stored bytes with its row, and given back with it (store.quotas). Output and error files
+are not stored: they are generated from the database when read (see batchinfer.store.serialize).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import time
 import uuid
 from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass
@@ -23,10 +27,12 @@ from sqlalchemy.orm import Session
 from batchinfer.store.db import write_transaction
 from batchinfer.store.ids import MAX_FILE_ID, is_file_id
 from batchinfer.store.models import File, utcnow
+from batchinfer.store.quotas import QuotaExceeded, charge_storage, charge_upload
 
 FILES_SUBDIR = "files"
 UPLOAD_PURPOSES = ("batch",)
 _BOM = b"\xef\xbb\xbf"
+_STAGED = re.compile(r"\.upload-(\d+)-[0-9a-f]+\.tmp")  # .upload-<pid of the writing process>-<random>.tmp
 
 
 class FileTooLarge(ValueError):
@@ -49,13 +55,17 @@ def files_dir(data_dir: str | Path) -> Path:
 class UploadWriter:
     """Writes an upload to a temp file: enforces the size limit and checks the first line is JSON."""
 
-    def __init__(self, data_dir: str | Path, *, max_bytes: int, max_line_bytes: int = 1 << 20) -> None:
+    def __init__(self, data_dir: str | Path, *, max_bytes: int, max_line_bytes: int = 1 << 20,
+                 quota_left: int | None = None, quota: int | None = None) -> None:
         self.directory = files_dir(data_dir)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.tmp_path = self.directory / f".upload-{uuid.uuid4().hex}.tmp"
+        self.tmp_path = self.directory / f".upload-{os.getpid()}-{uuid.uuid4().hex}.tmp"
         self.max_bytes = max_bytes
         self.max_line_bytes = max_line_bytes
+        self.quota_left, self.quota = quota_left, quota  # the owner's storage left (None: no quota)
         self.size = 0
+        self.lines = 0  # newlines so far (+1 at finish for an unended last line): at most its requests
+        self._last = b"\n"
         self._head = b""  # bytes of the first non-blank line while it is incomplete
         self._head_checked = False
         self._fh = self.tmp_path.open("wb")
@@ -65,9 +75,16 @@ class UploadWriter:
         if not chunk:
             return
         self.size += len(chunk)
+        self.lines += chunk.count(b"\n")
+        self._last = chunk[-1:]
         try:
             if self.size > self.max_bytes:
                 raise FileTooLarge(self.max_bytes)
+            if self.quota_left is not None and self.size > self.quota_left:  # stop before more lands
+                raise QuotaExceeded(f"Storage quota exceeded: this upload passed the {self.quota_left} "
+                                    f"bytes left of your {self.quota} (max_owner_stored_bytes); nothing "
+                                    "was stored. Delete files or batches' output files you no longer "
+                                    "need.", setting="max_owner_stored_bytes")
             if not self._head_checked:
                 self._check_head(chunk)
             self._fh.write(chunk)
@@ -89,8 +106,8 @@ class UploadWriter:
         self._head_checked = True
         self._head = b""
 
-    def finish(self) -> tuple[Path, int]:
-        """Close the temp file after the last chunk; returns (temp path, size)."""
+    def finish(self) -> tuple[Path, int, int]:
+        """Close the temp file after the last chunk; returns (temp path, size, lines)."""
         try:
             if not self._head_checked:
                 if not self._head.strip():
@@ -100,7 +117,7 @@ class UploadWriter:
         except BaseException:
             self.abort()
             raise
-        return self.tmp_path, self.size
+        return self.tmp_path, self.size, self.lines + (self._last != b"\n")
 
     def abort(self) -> None:
         """Drop the temp file."""
@@ -130,6 +147,7 @@ class StagedUpload:
 
     tmp_path: Path
     size: int
+    lines: int = 0  # newline-separated lines, blank ones included: what a batch of it may reserve
 
 
 def stage_upload(chunks: Iterable[bytes], *, data_dir: str | Path, max_bytes: int,
@@ -160,17 +178,20 @@ async def stage_upload_async(chunks: AsyncIterable[bytes], *, data_dir: str | Pa
 
 def create_file(session: Session, *, owner: str, staged: StagedUpload, filename: str,
                 purpose: str = "batch", created_at: datetime | None = None,
-                expires_at: datetime | None = None) -> File:
-    """Register a staged upload: insert its row and move it to `file-<id>.jsonl`.
+                expires_at: datetime | None = None, max_owner_bytes: int | None = None) -> File:
+    """Register a staged upload: insert its row, charge its bytes, move it to `file-<id>.jsonl`.
 
-    `expires_at`: when the purge deletes it (store.retention); None: kept until deleted."""
+    `expires_at`: when the purge deletes it (store.retention); None: kept until deleted.
+    `max_owner_bytes`: QuotaExceeded (nothing kept) if the owner's stored bytes would pass it."""
     if purpose not in UPLOAD_PURPOSES:
         raise ValueError(f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}")
     final_path: Path | None = None
     try:
         with write_transaction(session):
+            charge_upload(session, owner=owner, size=staged.size, limit=max_owner_bytes)
             row = File(owner=owner, filename=filename[:512] or "upload.jsonl", purpose=purpose,
-                       bytes=staged.size, path="", created_at=created_at or utcnow(), expires_at=expires_at)
+                       bytes=staged.size, lines=staged.lines, path="", created_at=created_at or utcnow(),
+                       expires_at=expires_at)
             session.add(row)
             session.flush()
             final_path = staged.tmp_path.parent / f"file-{row.id}.jsonl"
@@ -223,7 +244,38 @@ def delete_file(session: Session, *, owner: str, file_id: int) -> bool:
             return False
         path = row.path
         session.delete(row)
+        charge_storage(session, owner=owner, delta=-row.bytes)
     if path:
         with contextlib.suppress(OSError):
             Path(path).unlink()
+    return True
+
+
+def remove_stale_uploads(data_dir: str | Path, *, max_idle_s: float, now: float | None = None) -> list[Path]:
+    """Delete staged uploads left by a killed process: their writer's pid is gone, or nothing was written
+    to them for `max_idle_s` (a writer on another host sharing the directory). Returns what was removed."""
+    directory, now = files_dir(data_dir), now if now is not None else time.time()
+    removed: list[Path] = []
+    for path in directory.glob(".upload-*.tmp") if directory.is_dir() else ():
+        match = _STAGED.fullmatch(path.name)
+        try:
+            idle = now - path.stat().st_mtime
+        except OSError:
+            continue
+        if match is None or not _alive(int(match.group(1))) or idle > max_idle_s:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, under another user
+        return True
     return True

@@ -101,6 +101,7 @@ def submit_job(
     completion_window: str | None = None,
     limits: IngestLimits | None = None,
     output_expires_after: int | None = None,
+    reserve: Callable[[Session, Job], None] | None = None,
 ) -> Job:
     """Create a job from a JSONL file (`path`, or a binary `stream`), ingest it and cut it into shards.
 
@@ -109,6 +110,7 @@ def submit_job(
     `endpoint` (an OpenAI url), when given, is required of every line. `priority`: lower runs first.
     Unset shard_size, completion_window and limits come from `settings`; JobError for a bad argument.
     `output_expires_after`: seconds after the job ends that its rows are kept (store.retention).
+    `reserve(session, job)`: runs in the transaction inserting the job, before it (store.quotas.reserve_job).
     """
     if (path is None) == (stream is None):
         raise JobError("give exactly one of path= or stream=")
@@ -145,10 +147,15 @@ def submit_job(
               ingest_lease_expires_at=now + timedelta(seconds=settings.ingest_lease_seconds))
     try:
         with write_transaction(session):
+            if reserve is not None:
+                reserve(session, job)  # QuotaExceeded: nothing was written
             session.add(job)
-    except IntegrityError:  # a concurrent submit with the same idempotency key won
+    except BaseException as exc:
         if file is not None:
             file.close()
+        if not isinstance(exc, IntegrityError):
+            raise
+        # a concurrent submit with the same idempotency key won
         existing = _job_by_idempotency_key(session, owner, idempotency_key)
         if existing is None:
             raise

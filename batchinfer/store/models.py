@@ -82,6 +82,7 @@ class File(Base):
     filename: Mapped[str] = mapped_column(String(512))
     purpose: Mapped[str] = mapped_column(String(32), default="batch")
     bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    lines: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # at most its requests
     path: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
@@ -126,6 +127,12 @@ class Job(Base):
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Quotas (store/quotas.py): requests held for the owner while `validating` (its input's lines), bytes its
+    # request rows copy (its input's size), and its generated files' bytes, stored once when it ends.
+    reserved_requests: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    request_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    output_bytes: Mapped[int | None] = mapped_column(BigInteger)  # None: not measured yet
+    error_bytes: Mapped[int | None] = mapped_column(BigInteger)
 
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # created_at + completion_window
@@ -277,6 +284,16 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # An admin key's dashboard shows every owner's batches (the CLI's `local` ones included).
     admin: Mapped[bool] = mapped_column(default=False, server_default=false())
+
+
+class OwnerUsage(Base):
+    """One owner's stored bytes as a counter (store/quotas.py), and the row its quota checks lock."""
+
+    __tablename__ = "owner_usage"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # Uploads + request rows of its jobs + their generated files: moved with each of them, never summed.
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class Schedule(Base):

@@ -6,21 +6,30 @@ deletes the rows it is made of (succeeded requests for the output file, errored 
 the error file) and frees that space; the batch keeps its ids and request_counts, as OpenAI's does, and
 the deleted file answers 404 from then on. A file exists while the job has ended and at least one of its
 rows is left.
+
+Their sizes are measured once, when the job has ended (`record_result_sizes`: by the worker that finished
+it, the cancel that ended it, else by the first reader), and stored on the job (`output_bytes`,
+`error_bytes`): listing files reads them and never exports. Those bytes are charged to the owner's
+stored bytes (store.quotas) in the same transaction, and given back when a file is deleted.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Literal
 
-from sqlalchemy import delete, exists, select
-from sqlalchemy.orm import Session
+from sqlalchemy import delete, exists, select, update
+from sqlalchemy.orm import Session, sessionmaker
 
-from batchinfer.store.db import write_transaction
-from batchinfer.store.export import EXPORT_STATUSES
+from batchinfer.store.db import end_transaction, write_transaction
+from batchinfer.store.export import EXPORT_STATUSES, export_results
 from batchinfer.store.jobs import get_job
 from batchinfer.store.models import JOB_TERMINAL_STATUSES, Job, Request, request_id_for
+from batchinfer.store.quotas import charge_storage
 
+logger = logging.getLogger("batchinfer.store")
 ResultKind = Literal["output", "error"]
 RESULT_KINDS: tuple[ResultKind, ...] = ("output", "error")  # the order of a job's files in a listing
 _JOBS_PER_QUERY = 500  # a listing reads jobs in keyset windows of this many
@@ -88,12 +97,72 @@ def list_result_files(session: Session, *, owner: str, limit: int,
         boundary, inclusive = jobs[-1].id, False
 
 
+def record_result_sizes(session: Session, *, job_id: int) -> Job | None:
+    """Measure an ended job's output and error files once and store their sizes (charged to its owner).
+
+    Returns the job (sizes set), or None when it does not exist or has not ended (its rows still move).
+    Exports the job's result rows without holding a transaction; a concurrent measure stores nothing twice.
+    """
+    job = session.get(Job, job_id, populate_existing=True)
+    end_transaction(session)
+    if job is None or job.status not in JOB_TERMINAL_STATUSES:
+        return None
+    if job.output_bytes is not None and job.error_bytes is not None:
+        return job
+    sizes = {kind: sum(map(len, export_results(session, job_id=job_id, kind=_export_kind(kind))))
+             if _counted(job, kind) else 0 for kind in RESULT_KINDS}
+    with write_transaction(session):
+        stored = session.execute(update(Job).where(Job.id == job_id, Job.output_bytes.is_(None))
+                                 .values(output_bytes=sizes["output"], error_bytes=sizes["error"])
+                                 .execution_options(synchronize_session=False)).rowcount
+        if stored:
+            charge_storage(session, owner=job.owner, delta=sizes["output"] + sizes["error"])
+    session.refresh(job)
+    end_transaction(session)
+    return job
+
+
+def record_result_sizes_in_background(sessions: sessionmaker[Session], *, job_id: int) -> threading.Thread:
+    """record_result_sizes on a daemon thread with its own session (a worker's loop must keep stepping and
+    heartbeating while a large job's files are measured); a failure is logged, the first reader retries."""
+
+    def measure() -> None:
+        try:
+            with sessions() as session:
+                record_result_sizes(session, job_id=job_id)
+        except Exception:
+            logger.warning("measuring the result files of job %s failed; the first listing measures them",
+                           job_id, exc_info=True)
+
+    thread = threading.Thread(target=measure, name=f"batchinfer-result-sizes-{job_id}", daemon=True)
+    thread.start()
+    return thread
+
+
+def result_file_size(session: Session, *, job: Job, kind: ResultKind) -> int:
+    """Bytes of an ended job's output or error file, as stored (measured now if it never was)."""
+    size = job.output_bytes if kind == "output" else job.error_bytes
+    if size is None:
+        measured = record_result_sizes(session, job_id=job.id)
+        size = (measured.output_bytes if kind == "output" else measured.error_bytes) if measured else 0
+    return size or 0
+
+
+def _export_kind(kind: ResultKind) -> Literal["output", "errors"]:
+    return "output" if kind == "output" else "errors"
+
+
 def delete_result_file(session: Session, *, owner: str, job_id: int, kind: ResultKind) -> bool:
     """Delete a job's output or error file (its result rows); False when the owner has no such file."""
     job = get_job(session, job_id=job_id, owner=owner)  # a terminal job's rows change no more
     if job is None or not result_file_exists(session, job=job, kind=kind):
         return False
+    size = result_file_size(session, job=job, kind=kind)
+    column = Job.output_bytes if kind == "output" else Job.error_bytes
     with write_transaction(session):
         session.execute(delete(Request).where(*_rows_of(job_id, kind)).execution_options(
             synchronize_session=False))
+        if session.execute(update(Job).where(Job.id == job_id, column == size).values({column: 0})
+                           .execution_options(synchronize_session=False)).rowcount:
+            charge_storage(session, owner=owner, delta=-size)  # its bytes are the owner's again
     return True

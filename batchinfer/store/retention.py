@@ -32,6 +32,7 @@ from batchinfer.store.models import (
     request_id_for,
     utcnow,
 )
+from batchinfer.store.quotas import charge_storage
 
 PURGE_BATCH = 500  # jobs or files looked at per query
 
@@ -48,12 +49,13 @@ def purge(session: Session, *, settings: Settings, now: datetime | None = None) 
     """Delete expired files and finished jobs past their retention (see the module docstring)."""
     now = now or utcnow()
     report = PurgeReport()
-    expired_files = list(session.execute(select(File.id, File.path).where(File.expires_at <= now)
-                                         .order_by(File.id).limit(PURGE_BATCH)))
+    expired_files = list(session.execute(select(File.id, File.path, File.owner, File.bytes)
+                                         .where(File.expires_at <= now).order_by(File.id).limit(PURGE_BATCH)))
     end_transaction(session)
-    for file_id, path in expired_files:
+    for file_id, path, owner, size in expired_files:
         with write_transaction(session):
-            session.execute(delete(File).where(File.id == file_id))
+            if session.execute(delete(File).where(File.id == file_id)).rowcount:
+                charge_storage(session, owner=owner, delta=-size)  # its bytes are the owner's again
         if path:
             with contextlib.suppress(OSError):
                 Path(path).unlink()
@@ -62,7 +64,12 @@ def purge(session: Session, *, settings: Settings, now: datetime | None = None) 
         with write_transaction(session):
             first, last = request_id_for(job_id, 0), request_id_for(job_id, (1 << LINE_BITS) - 1)
             session.execute(delete(Request).where(Request.id >= first, Request.id <= last))
+            held_bytes = (Job.request_bytes + func.coalesce(Job.output_bytes, 0)
+                          + func.coalesce(Job.error_bytes, 0))
+            held = session.execute(select(Job.owner, held_bytes).where(Job.id == job_id)).first()
             session.execute(delete(Job).where(Job.id == job_id))  # shards cascade; schedule runs keep null
+            if held is not None:
+                charge_storage(session, owner=held[0], delta=-int(held[1]))
         report.jobs.append(job_id)
     return report
 

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from batchinfer.api.app import create_app
 from batchinfer.api.loopback import refusal
 from batchinfer.config import Settings
-from tests.api.conftest import make_settings
+from tests.api.conftest import TEST_MODEL, make_settings
 from tests.api.helpers import chat_line, jsonl
 
 GOOD = jsonl([chat_line("a", "hello"), chat_line("b", "world")])
@@ -110,13 +110,22 @@ def test_metrics_token_and_model_labels(tmp_path: Path, sqlite_url: str) -> None
     model_dir.mkdir(parents=True)
     with session_factory(sqlite_url)() as session:
         submit_job(session, settings=settings, stream=io.BytesIO(GOOD), model=str(model_dir))
+        submit_job(session, settings=settings, stream=io.BytesIO(GOOD), model="tenant-text-\u00e9-1")
+        submit_job(session, settings=settings, stream=io.BytesIO(GOOD), model=TEST_MODEL)
     with TestClient(create_app(settings)) as client:
         assert client.get("/metrics").status_code == 401
         assert client.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
         response = client.get("/metrics", headers={"Authorization": "Bearer s3cret"})
     assert response.status_code == 200
-    assert 'batchinfer:queue_depth{model="my-model"} 1.0' in response.text
-    assert str(tmp_path) not in response.text
+    # Tenant-chosen models share one bounded label; known models (default, served, allowed) keep theirs.
+    assert 'batchinfer:queue_depth{model="other"} 2.0' in response.text
+    assert f'batchinfer:queue_depth{{model="{TEST_MODEL}"}} 1.0' in response.text
+    assert str(tmp_path) not in response.text and "my-model" not in response.text
+    assert "tenant-text" not in response.text
+    with TestClient(create_app(make_settings(tmp_path, sqlite_url))) as client:  # no token: aggregated
+        open_scrape = client.get("/metrics").text
+    assert 'batchinfer:queue_depth{model="all"} 3.0' in open_scrape
+    assert TEST_MODEL not in open_scrape and 'model="other"' not in open_scrape
 
 
 def _app_client(tmp_path: Path, sqlite_url: str, **overrides: object) -> tuple[TestClient, dict[str, str]]:
@@ -137,13 +146,18 @@ def test_quotas_answer_429_naming_the_limit(tmp_path: Path, sqlite_url: str) -> 
         upload = lambda: client.post("/v1/files", headers=auth, data={"purpose": "batch"},  # noqa: E731
                                      files={"file": ("in.jsonl", GOOD)})
         file_id = upload().json()["id"]
-        assert upload().status_code == 200
+        second = upload()
+        assert second.status_code == 200
         response = upload()  # a third copy passes the stored-bytes limit
         assert response.status_code == 429
         assert response.json()["error"]["type"] == "rate_limit_error"
         assert "max_owner_stored_bytes" in response.json()["error"]["message"]
         create = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        response = client.post("/v1/batches", headers=auth, json=create)  # its request rows need room too
+        assert response.status_code == 429 and "max_owner_stored_bytes" in response.json()["error"]["message"]
+        assert client.delete(f"/v1/files/{second.json()['id']}", headers=auth).status_code == 200
         assert client.post("/v1/batches", headers=auth, json=create).status_code == 200
+        assert upload().status_code == 429  # the batch's copy of the file counts like the file
         response = client.post("/v1/batches", headers=auth, json=create)
         assert response.status_code == 429 and "max_owner_active_jobs" in response.json()["error"]["message"]
 

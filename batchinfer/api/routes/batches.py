@@ -3,7 +3,9 @@
 Creating a batch ingests its whole input file (parse, validate, insert, shard). That runs on the app's
 ingest thread pool, never on the event loop: the response waits up to SUBMIT_WAIT_S for it (small files
 answer `in_progress` or `failed` directly), then answers with the job as it stands (`validating`) while
-the ingest goes on.
+the ingest goes on. The owner's quotas are reserved in the transaction that inserts the job
+(store.quotas.reserve_job: its input's lines and bytes), so concurrent creates cannot all pass a limit;
+its model must be known (api.known_models).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import logging
 import uuid
 from concurrent.futures import Future
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request
@@ -22,6 +25,7 @@ from batchinfer.api import metrics
 from batchinfer.api.cache import PollCache
 from batchinfer.api.deps import Caller, CallerDep, OwnerDep, SessionsDep, SettingsDep, ingest_pool
 from batchinfer.api.errors import ERROR_RESPONSES, APIError, bad_request, not_found
+from batchinfer.api.known_models import UnknownModel, check_batch_model
 from batchinfer.api.limits import quota_errors
 from batchinfer.api.schemas import BatchList, BatchObject, CreateBatchRequest
 from batchinfer.config import Settings
@@ -36,8 +40,10 @@ from batchinfer.store.jobs import (
     list_jobs,
     parse_completion_window,
 )
-from batchinfer.store.models import File, Job
-from batchinfer.store.quotas import check_job_quotas
+from batchinfer.store.models import JOB_TERMINAL_STATUSES, File, Job
+from batchinfer.store.progress import inflight_by_job
+from batchinfer.store.quotas import QuotaExceeded, check_job_quotas, reserve_job
+from batchinfer.store.result_files import record_result_sizes_in_background
 from batchinfer.store.serialize import batch_object, current_batch_object, parse_batch_id, parse_file_id
 from batchinfer.store.timeline import first_claims
 from batchinfer.store.workers import served_models
@@ -60,7 +66,7 @@ def _job_or_404(session: Session, owner: str, batch_id: str) -> Job:
     return job
 
 
-def _validate(body: CreateBatchRequest, session: Session, owner: str, max_metadata_bytes: int) -> File:
+def _validate(body: CreateBatchRequest, session: Session, owner: str, settings: Settings) -> File:
     if body.endpoint is not None and body.endpoint not in URL_TO_ENDPOINT:
         raise bad_request(f"Unsupported endpoint '{body.endpoint}': use one of "
                           f"{', '.join(sorted(URL_TO_ENDPOINT))}.", param="endpoint", code="invalid_value")
@@ -75,7 +81,11 @@ def _validate(body: CreateBatchRequest, session: Session, owner: str, max_metada
         except JobError as exc:
             raise bad_request(f"Invalid model: {exc}.", param="model", code="invalid_value") from None
     try:
-        validate_metadata(body.metadata, max_bytes=max_metadata_bytes)
+        check_batch_model(session, model=body.model or settings.default_model, settings=settings)
+    except UnknownModel as exc:
+        raise bad_request(f"Invalid model: {exc}.", param="model", code=exc.code) from None
+    try:
+        validate_metadata(body.metadata, max_bytes=settings.max_metadata_bytes)
     except ValueError as exc:
         raise bad_request(f"Invalid metadata: {exc}.", param="metadata", code="invalid_value") from None
     ref = parse_file_id(body.input_file_id)
@@ -93,7 +103,7 @@ def _submit(factory: sessionmaker[Session], settings: Settings, kwargs: dict[str
     with factory() as session:
         try:
             job = submit_and_announce(session=session, settings=settings, **kwargs)
-        except JobError:
+        except (JobError, QuotaExceeded):
             raise
         except Exception:
             logger.exception("ingest of %s failed", kwargs.get("path"))
@@ -103,6 +113,11 @@ def _submit(factory: sessionmaker[Session], settings: Settings, kwargs: dict[str
             return job_id  # submit_job marked it failed with an ingest_error
     metrics.INGESTED_REQUESTS.inc(job.total_requests)
     return job.id
+
+
+def _reserve(session: Session, job: Job, *, settings: Settings, file: File) -> None:
+    """The job's quota reservation: its input's lines (an upper bound of its requests) and bytes."""
+    reserve_job(session, job=job, settings=settings, requests=max(file.lines, 1), request_bytes=file.bytes)
 
 
 async def _wait_for_job(factory: sessionmaker[Session], owner: str, key: str, future: Future[int]) -> int:
@@ -140,7 +155,7 @@ async def create_batch(
     def validate() -> File:
         with factory() as session, quota_errors():
             check_job_quotas(session, owner=owner, settings=settings)  # 429 naming the limit
-            return _validate(body, session, owner, settings.max_metadata_bytes)
+            return _validate(body, session, owner, settings)
 
     file = await run_in_threadpool(validate)
     expiry = body.output_expires_after
@@ -149,10 +164,12 @@ async def create_batch(
                   owner=owner, endpoint=body.endpoint, metadata=body.metadata,
                   completion_window=body.completion_window, idempotency_key=key,
                   on_invalid=body.on_invalid or "skip", priority=body.priority or 0,
-                  shard_size=body.shard_size, output_expires_after=expiry.seconds if expiry else None)
+                  shard_size=body.shard_size, output_expires_after=expiry.seconds if expiry else None,
+                  reserve=partial(_reserve, settings=settings, file=file))
     future = ingest_pool(request.app).submit(_submit, factory, settings, kwargs)
     try:
-        job_id = await _wait_for_job(factory, owner, key, future)
+        with quota_errors():  # 429 naming the limit the reservation found
+            job_id = await _wait_for_job(factory, owner, key, future)
     except JobError as exc:
         raise bad_request(str(exc)) from None
 
@@ -186,8 +203,9 @@ async def list_batches(
         jobs = list_jobs(session, owner=owner, after=after_id, limit=limit + 1)
         served = served_models(session)  # once per page: the note of jobs no live worker serves
         started = first_claims(session, job_ids=[job.id for job in jobs[:limit]])  # throughput's clock
-        data = [batch_object(job, served_models=served, started_at=started.get(job.id))
-                for job in jobs[:limit]]
+        inflight = inflight_by_job(session, job_ids=[job.id for job in jobs[:limit]])  # tokens so far
+        data = [batch_object(job, served_models=served, started_at=started.get(job.id),
+                             inflight=inflight.get(job.id)) for job in jobs[:limit]]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) > limit}
 
@@ -259,4 +277,6 @@ def _cancel(caller: Caller, batch_id: str) -> dict[str, Any]:
         except JobStateError as exc:
             raise bad_request(f"Cannot cancel a batch with status '{exc.status}'.", param="batch_id",
                               code="invalid_batch_status") from None
-        return batch_object(job)
+    if job.status in JOB_TERMINAL_STATUSES:  # it ended now: size its output / error files once
+        record_result_sizes_in_background(caller.sessions, job_id=job.id)
+    return batch_object(job)

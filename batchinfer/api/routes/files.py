@@ -1,9 +1,11 @@
 """/v1/files: upload (streamed to disk under a size limit), list, retrieve, delete, download content.
 
-Uploads are parsed from the raw request stream (see uploads.py), so a file never sits in memory.
-Output and error files are generated from the database on download (ids `file-out-<job>` /
-`file-err-<job>`, purpose `batch_output`): they are listed after the uploads, and deleting one deletes
-the result rows it is made of (store.result_files).
+Uploads are parsed from the raw request stream (see uploads.py), so a file never sits in memory; an
+owner over its storage quota, or already streaming max_owner_concurrent_uploads files, is answered 429
+before any byte lands. Output and error files are generated from the database on download (ids
+`file-out-<job>` / `file-err-<job>`, purpose `batch_output`): they are listed after the uploads with
+the sizes stored when their job ended, and deleting one deletes the result rows it is made of
+(store.result_files).
 """
 
 from __future__ import annotations
@@ -19,16 +21,21 @@ from sqlalchemy.orm import Session, sessionmaker
 from batchinfer.api import metrics
 from batchinfer.api.deps import Caller, CallerDep, OwnerDep, SessionsDep, SettingsDep
 from batchinfer.api.errors import ERROR_RESPONSES, ErrorResponse, bad_request, not_found
-from batchinfer.api.limits import quota_errors, upload_expires_at
+from batchinfer.api.limits import quota_errors, upload_expires_at, upload_slot
 from batchinfer.api.schemas import UPLOAD_BODY, DeletedFile, FileList, FileObject
-from batchinfer.api.uploads import Upload, receive_upload
+from batchinfer.api.uploads import MULTIPART_OVERHEAD_BYTES, Upload, receive_upload
 from batchinfer.config import Settings
 from batchinfer.store import files as file_store
 from batchinfer.store.export import export_results
 from batchinfer.store.jobs import get_job
 from batchinfer.store.models import Job, utcnow
-from batchinfer.store.quotas import check_storage_quota
-from batchinfer.store.result_files import delete_result_file, list_result_files, result_file_exists
+from batchinfer.store.quotas import check_storage_quota, stored_bytes
+from batchinfer.store.result_files import (
+    delete_result_file,
+    list_result_files,
+    result_file_exists,
+    result_file_size,
+)
 from batchinfer.store.serialize import (
     error_file_id,
     file_object,
@@ -52,8 +59,29 @@ FileId = Annotated[str, Path(description="file-<n> (upload), file-out-<n> / file
 async def upload_file(request: Request, owner: OwnerDep, settings: SettingsDep,
                       sessions: SessionsDep) -> dict[str, Any]:
     """Stream a multipart upload (fields `file`, `purpose=batch`) to storage; returns the File object."""
-    upload = await receive_upload(request, settings)
-    return file_object(await store_upload(sessions, owner, upload, settings))
+    async with upload_slot(request.app, owner, settings):
+        upload = await receive_owner_upload(request, owner, settings, sessions)
+        return file_object(await store_upload(sessions, owner, upload, settings))
+
+
+async def receive_owner_upload(request: Request, owner: str, settings: Settings,
+                               sessions: sessionmaker[Session]) -> Upload:
+    """receive_upload within the owner's storage quota: 429 before reading when it is used up (or the
+    Content-Length says the upload would pass it), and as soon as the bytes streamed pass what is left."""
+    limit = settings.max_owner_stored_bytes
+    if limit is None:
+        return await receive_upload(request, settings)
+    length = request.headers.get("content-length")
+    announced = int(length) - MULTIPART_OVERHEAD_BYTES if length and length.isdigit() else 0
+
+    def left() -> int:
+        with sessions() as session, quota_errors():
+            check_storage_quota(session, owner=owner, settings=settings, new_bytes=max(announced, 1))
+            return limit - stored_bytes(session, owner=owner)
+
+    quota_left = await run_in_threadpool(left)
+    with quota_errors():
+        return await receive_upload(request, settings, quota_left=quota_left)
 
 
 async def store_upload(sessions: sessionmaker[Session], owner: str, upload: Upload,
@@ -69,13 +97,14 @@ async def store_upload(sessions: sessionmaker[Session], owner: str, upload: Uplo
 
 
 def register_upload(sessions: sessionmaker[Session], owner: str, upload: Upload, settings: Settings) -> Any:
-    """Record a received upload as the owner's File (storage quota, expires_after); /ui uploads use it too."""
+    """Record a received upload as the owner's File (storage quota, checked and charged atomically with its
+    row; expires_after); /ui uploads use it too."""
     now = utcnow()
     expires_at = upload_expires_at(upload.fields, now)  # OpenAI's expires_after form fields, or None
     with sessions() as session, quota_errors():
-        check_storage_quota(session, owner=owner, settings=settings, new_bytes=upload.staged.size)
         return file_store.create_file(session, owner=owner, staged=upload.staged, filename=upload.filename,
-                                      purpose=upload.purpose, created_at=now, expires_at=expires_at)
+                                      purpose=upload.purpose, created_at=now, expires_at=expires_at,
+                                      max_owner_bytes=settings.max_owner_stored_bytes)
 
 
 # Read routes are async with one threadpool call each (see batches.py for why).
@@ -93,12 +122,10 @@ async def list_files(
     """Your files: uploads (purpose `batch`), then your batches' output and error files (purpose
     `batch_output`), each newest first unless `order=asc`; `purpose` keeps one of the two, and `after`
     is the last id of the previous page."""
-    return await run_in_threadpool(_list, caller, purpose, limit, after, order,
-                                   request.app.state.result_file_sizes)
+    return await run_in_threadpool(_list, caller, purpose, limit, after, order)
 
 
-def _list(caller: Caller, purpose: str | None, limit: int, after: str | None, order: str,
-          sizes: dict[tuple[int, str], int]) -> dict[str, Any]:
+def _list(caller: Caller, purpose: str | None, limit: int, after: str | None, order: str) -> dict[str, Any]:
     ref = parse_file_id(after) if after else None
     wrong_kind = ref is not None and (ref.kind == "input" if purpose == "batch_output"
                                       else ref.kind != "input" and purpose is not None)
@@ -116,19 +143,10 @@ def _list(caller: Caller, purpose: str | None, limit: int, after: str | None, or
             result_after = (ref.id, ref.kind) if ref is not None and ref.kind != "input" else None
             files, has_more = list_result_files(session, owner=owner, limit=limit - len(data),
                                                 after=result_after, order=order)  # type: ignore[arg-type]
-            data += [result_file_object(f.job, f.kind, size=_result_size(session, f.job, f.kind, sizes))
+            data += [result_file_object(f.job, f.kind, size=result_file_size(session, job=f.job, kind=f.kind))
                      for f in files]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
-
-
-def _result_size(session: Session, job: Job, kind: str, sizes: dict[tuple[int, str], int]) -> int:
-    """Bytes of a finished job's output or error file, measured once (its rows change only by deletion)."""
-    size = sizes.get((job.id, kind))
-    if size is None:
-        lines = export_results(session, job_id=job.id, kind=_export_kind(kind))
-        size = sizes[(job.id, kind)] = sum(map(len, lines))
-    return size
 
 
 def _result_job(session: Session, owner: str, file_id: str) -> tuple[Job, Literal["output", "error"]]:
@@ -146,10 +164,10 @@ def _result_job(session: Session, owner: str, file_id: str) -> tuple[Job, Litera
 @router.get("/{file_id}", response_model=FileObject, responses=ERROR_RESPONSES, summary="Retrieve a file")
 async def retrieve_file(file_id: FileId, caller: CallerDep, request: Request) -> dict[str, Any]:
     """The File object of an upload, or of a batch's output/error file."""
-    return await run_in_threadpool(_retrieve, caller, file_id, request.app.state.result_file_sizes)
+    return await run_in_threadpool(_retrieve, caller, file_id)
 
 
-def _retrieve(caller: Caller, file_id: str, sizes: dict[tuple[int, str], int]) -> dict[str, Any]:
+def _retrieve(caller: Caller, file_id: str) -> dict[str, Any]:
     ref = parse_file_id(file_id)
     with caller.session() as (session, owner):
         if ref is not None and ref.kind == "input":
@@ -158,7 +176,7 @@ def _retrieve(caller: Caller, file_id: str, sizes: dict[tuple[int, str], int]) -
                 raise not_found("File", file_id, param="file_id")
             return file_object(row)
         job, kind = _result_job(session, owner, file_id)
-        return result_file_object(job, kind, size=_result_size(session, job, kind, sizes))
+        return result_file_object(job, kind, size=result_file_size(session, job=job, kind=kind))
 
 
 def _export_kind(kind: str) -> Literal["output", "errors"]:
@@ -169,17 +187,16 @@ def _export_kind(kind: str) -> Literal["output", "errors"]:
 async def delete_file(file_id: FileId, caller: CallerDep, request: Request) -> dict[str, Any]:
     """Delete an uploaded file (batches made from it keep their requests), or a batch's output or error
     file (its result lines are deleted; the batch keeps its request_counts)."""
-    return await run_in_threadpool(_delete, caller, file_id, request.app.state.result_file_sizes)
+    return await run_in_threadpool(_delete, caller, file_id)
 
 
-def _delete(caller: Caller, file_id: str, sizes: dict[tuple[int, str], int]) -> dict[str, Any]:
+def _delete(caller: Caller, file_id: str) -> dict[str, Any]:
     ref = parse_file_id(file_id)
     with caller.session() as (session, owner):
         if ref is not None and ref.kind != "input":
             job, kind = _result_job(session, owner, file_id)  # 404 unless it is the caller's
             if not delete_result_file(session, owner=owner, job_id=job.id, kind=kind):
                 raise not_found("File", file_id, param="file_id")
-            sizes.pop((job.id, kind), None)
             return {"id": file_id, "object": "file", "deleted": True}
         if ref is None or not file_store.delete_file(session, owner=owner, file_id=ref.id):
             raise not_found("File", file_id, param="file_id")

@@ -24,26 +24,29 @@ from sqlalchemy.orm import Session
 
 from batchinfer.api.deps import Caller, SessionsDep, SettingsDep
 from batchinfer.api.errors import APIError
+from batchinfer.api.limits import upload_slot
 from batchinfer.api.routes.batches import cancel_batch, create_batch
-from batchinfer.api.routes.files import file_content, store_upload
+from batchinfer.api.routes.files import file_content, receive_owner_upload, store_upload
 from batchinfer.api.schemas import CreateBatchRequest
 from batchinfer.api.ui.auth import (
     LOGIN_PATH,
     UI_PATH,
+    CrossSite,
     LoginRequired,
     NotHtmx,
     UiCallerDep,
+    cross_site_handler,
     go_to,
     htmx_only,
     login_required_handler,
     not_htmx_handler,
     read_as_ui,
+    same_origin_only,
     sign_in,
     sign_out,
 )
 from batchinfer.api.ui.templating import STATIC_DIR, render
 from batchinfer.api.ui.views import batch_view, find_job, jobs_view, timeline_view, workers_view
-from batchinfer.api.uploads import receive_upload
 from batchinfer.store.apikeys import authenticate, is_admin_key
 from batchinfer.store.errors import JobNotFound, JobStateError
 from batchinfer.store.export import export_results
@@ -62,6 +65,7 @@ def install(app: FastAPI) -> None:
     app.mount(f"{UI_PATH}/static", StaticFiles(directory=STATIC_DIR), name="ui-static")
     app.add_exception_handler(LoginRequired, login_required_handler)
     app.add_exception_handler(NotHtmx, not_htmx_handler)
+    app.add_exception_handler(CrossSite, cross_site_handler)
 
 
 def _not_found(request: Request, batch_id: str) -> Response:
@@ -84,7 +88,7 @@ async def login_form(request: Request, settings: SettingsDep) -> Response:
     return render(request, "login.html", {})
 
 
-@router.post("/login")
+@router.post("/login", dependencies=[Depends(same_origin_only)])
 async def login(request: Request, sessions: SessionsDep,
                 api_key: Annotated[str, Form(max_length=256)]) -> Response:
     """Check the key like a Bearer token; on success keep it in the dashboard's cookie."""
@@ -159,8 +163,9 @@ async def upload(request: Request, caller: UiCallerDep, settings: SettingsDep,
     """Upload a JSONL file and create a batch from it (POST /v1/files + POST /v1/batches), then open it."""
     owner = await read_as_ui(caller, lambda _, o: o)
     try:
-        received = await receive_upload(request, settings)
-        row = await store_upload(sessions, owner, received, settings)
+        async with upload_slot(request.app, owner, settings):  # the same bounds as POST /v1/files
+            received = await receive_owner_upload(request, owner, settings, sessions)
+            row = await store_upload(sessions, owner, received, settings)
         body = CreateBatchRequest(input_file_id=row.file_id, endpoint=None,
                                   completion_window=received.fields.get("completion_window") or "24h",
                                   model=received.fields.get("model", "").strip() or None)

@@ -11,7 +11,12 @@ by a POST rather than the key in sessionStorage:
 
 State-changing dashboard requests (upload, cancel, sign-out) must also carry htmx's `HX-Request` header:
 a cross-site form cannot set a custom header, so even a browser without SameSite cannot be led to post
-them (CSRF). Every check happens on every request against the key table (through the API's short auth
+them (CSRF). The sign-in form itself is a plain form (no script before signing in), so `POST /ui/login`
+is refused (403) when the browser says it comes from another site: `Sec-Fetch-Site` other than
+same-origin / none, or an `Origin` whose host is not this server's (login CSRF would sign the user into
+the attacker's key, and the attacker would then read whatever the user uploads).
+
+Every check happens on every request against the key table (through the API's short auth
 cache), so a revoked key stops working on the dashboard as soon as on the REST API.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Annotated, TypeVar
+from urllib.parse import urlsplit
 
 from fastapi import Depends, Request
 from fastapi.responses import RedirectResponse, Response
@@ -58,6 +64,32 @@ async def htmx_only(request: Request) -> None:
     """Refuse a state-changing request that does not come from the dashboard's own scripts."""
     if request.headers.get(HTMX_HEADER) != "true":
         raise NotHtmx()
+
+
+class CrossSite(Exception):
+    """A sign-in posted from another site's page (login CSRF, see the module docstring)."""
+
+
+_SAME_SITE_FETCHES = frozenset({"same-origin", "none"})  # Sec-Fetch-Site of our own page / a typed URL
+
+
+async def same_origin_only(request: Request) -> None:
+    """Refuse a form post a browser says comes from another origin (Sec-Fetch-Site, else Origin)."""
+    fetch_site = request.headers.get("sec-fetch-site")
+    if fetch_site is not None and fetch_site.lower() not in _SAME_SITE_FETCHES:
+        raise CrossSite()
+    origin = request.headers.get("origin")
+    if origin is None:  # not a browser's cross-site post: browsers send Origin with every form POST
+        return
+    hosts = {request.headers.get("host", "").lower(), request.headers.get("x-forwarded-host", "").lower()}
+    if origin == "null" or urlsplit(origin).netloc.lower() not in hosts - {""}:
+        raise CrossSite()
+
+
+async def cross_site_handler(_request: Request, _exc: Exception) -> Response:
+    """CrossSite -> 403 with the reason."""
+    return Response("Sign-in refused: the form was posted from another site. Open this server's /ui/login "
+                    "and sign in there.", status_code=403, media_type="text/plain")
 
 
 async def read_as_ui(caller: Caller, work: Callable[[Session, str], T]) -> T:
