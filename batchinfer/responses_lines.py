@@ -94,7 +94,9 @@ def response_object(*, request_key: int, created: int, model: str, choice: dict[
                     prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     """OpenAI's Response object for one completion ({text, finish_reason}), with its usage."""
     incomplete = choice["finish_reason"] == "length"
-    message = {"type": "message", "id": f"msg_batch_{request_key}", "status": "completed",
+    # The message item's status follows the response's, as OpenAI's does for an output cut at the limit.
+    message = {"type": "message", "id": f"msg_batch_{request_key}",
+               "status": "incomplete" if incomplete else "completed",
                "role": "assistant",
                "content": [{"type": "output_text", "text": choice["text"], "annotations": []}]}
     return {

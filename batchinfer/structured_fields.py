@@ -80,8 +80,8 @@ def _response_format(value: Any) -> StructuredOutputsParams | None:
                                   f"unknown field; use {', '.join(sorted(JSON_SCHEMA_FIELDS))}")
     name = spec.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
-        raise SamplingParamsError(f"{where}.name", "must be 1 to 64 letters, digits, _ or -; "
-                                  f"got {name!r:.80}")
+        got = "it is missing (OpenAI requires it)" if name is None else f"got {name!r:.80}"
+        raise SamplingParamsError(f"{where}.name", f"must be 1 to 64 letters, digits, _ or -; {got}")
     if spec.get("strict") not in (None, True, False):
         raise SamplingParamsError(f"{where}.strict", f"must be true or false; got {spec['strict']!r}")
     if not isinstance(spec.get("description", ""), str):

@@ -6,6 +6,7 @@ naming the input line as ingest's errors do (ARCHITECTURE.md, contract 8).
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
 from batchinfer.embedding_lines import encode
@@ -29,7 +30,7 @@ def result_row(request: PendingRequest, output: RequestOutput, echo: str = "") -
             "index": completion.index,
             "text": echo + completion.text,
             "finish_reason": completion.finish_reason,
-            "logprobs": logprobs_object(request, completion),
+            "logprobs": logprobs_object(request, completion, text_start=len(echo)),
         })
     row = {
         "request_id": request.request_id,
@@ -58,8 +59,11 @@ def embedding_row(request: PendingRequest, vectors: list[list[float]], tokens: i
             "prompt_tokens": tokens, "completion_tokens": 0, "cached_tokens": 0}
 
 
-def logprobs_object(request: PendingRequest, completion: CompletionOutput) -> dict[str, Any] | None:
-    """OpenAI's logprobs object (chat: a `content` list; completions: parallel lists), or None."""
+def logprobs_object(request: PendingRequest, completion: CompletionOutput,
+                    text_start: int = 0) -> dict[str, Any] | None:
+    """OpenAI's logprobs object (chat: a `content` list; completions: parallel lists with each token's
+    `text_offset`, counted from `text_start`, where the generated text begins in the choice's text), or
+    None."""
     if not completion.logprobs:
         return None
     num_top = request.params.logprobs or 0
@@ -71,10 +75,13 @@ def logprobs_object(request: PendingRequest, completion: CompletionOutput) -> di
     if request.endpoint == "chat":
         return {"content": [{**token_entry(chosen), "top_logprobs": [token_entry(lp) for lp in top]}
                             for chosen, top in positions]}
+    tokens = [token_entry(chosen)["token"] for chosen, _ in positions]
+    offsets = list(itertools.accumulate((len(token) for token in tokens[:-1]), initial=text_start))
     return {
-        "tokens": [token_entry(chosen)["token"] for chosen, _ in positions],
+        "tokens": tokens,
         "token_logprobs": [token_entry(chosen)["logprob"] for chosen, _ in positions],
         "top_logprobs": [{lp.decoded_token or "": lp.logprob for lp in top} for _, top in positions],
+        "text_offset": offsets if tokens else [],
     }
 
 

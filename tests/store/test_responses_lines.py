@@ -62,8 +62,13 @@ def test_the_output_body_is_a_response_object() -> None:
                          choices=[{"text": "hello", "finish_reason": "length", "logprobs": None}],
                          prompt_tokens=5, completion_tokens=3, cached_tokens=2)
     assert body["object"] == "response" and body["status"] == "incomplete"
+    assert body["output"][0]["status"] == "incomplete"  # the message item says what the response says
     assert body["output"][0]["content"][0] == {"type": "output_text", "text": "hello", "annotations": []}
     assert body["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2},
                              "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": 8}
     BatchOutputLine.model_validate(output_line(request_key=7, custom_id="r1", body=body))
+    done = response_body(endpoint="responses", model="m", request_key=8, created=100,
+                         choices=[{"text": "hi", "finish_reason": "stop", "logprobs": None}],
+                         prompt_tokens=5, completion_tokens=1, cached_tokens=0)
+    assert done["status"] == done["output"][0]["status"] == "completed" and done["incomplete_details"] is None

@@ -67,7 +67,8 @@ LINES: list[tuple[bytes, tuple[str, str] | None]] = [
     (chat("two", response_format={"type": "json_object"}, guided_regex="a+"),
      ("invalid_value", "give one output constraint per request")),
     (chat("no-name", response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}}),
-     ("invalid_value", "body.response_format.json_schema.name: must be 1 to 64")),
+     ("invalid_value", "body.response_format.json_schema.name: must be 1 to 64 letters, digits, _ or -; "
+                       "it is missing")),
     (chat("no-schema", response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
      ("invalid_value", "body.response_format.json_schema.schema: missing")),
     (chat("xml", response_format={"type": "xml"}), ("invalid_value", "body.response_format.type: must be")),

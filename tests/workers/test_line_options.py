@@ -114,3 +114,16 @@ def test_prompt_logprobs_come_back_where_vllm_puts_them(sqlite_url: str, tmp_pat
         BatchOutputLine.model_validate({"id": "x", "custom_id": "c", "error": None,
                                         "response": {"status_code": 200, "request_id": "r", "body": body}})
     assert "prompt_logprobs" not in bodies["plain"] and "prompt_logprobs" not in bodies["plain"]["choices"][0]
+
+
+def test_completions_logprobs_carry_text_offset_like_openais_legacy_completions(
+        sqlite_url: str, tmp_path: Path, tiny_llama: Path) -> None:
+    base = {"prompt": "the cat sat on", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    bodies = _run(sqlite_url, tmp_path, tiny_llama, [{"custom_id": "plain", **base},
+                                                     {"custom_id": "echo", **base, "echo": True}])
+    for custom_id, start in (("plain", 0), ("echo", len("the cat sat on"))):
+        logprobs = bodies[custom_id]["choices"][0]["logprobs"]
+        tokens, offsets = logprobs["tokens"], logprobs["text_offset"]
+        assert len(offsets) == len(tokens) == len(logprobs["token_logprobs"]) == 4
+        # each token starts where the ones before it end, the first where the generated text begins
+        assert offsets == [start + len("".join(tokens[:i])) for i in range(len(tokens))], custom_id
