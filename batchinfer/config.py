@@ -161,6 +161,19 @@ class Settings(BaseSettings):
     max_request_logprobs: int = Field(
         1 << 18, ge=1, description="Cap on n x max_tokens x (1 + top_logprobs) of a request with logprobs.")
     max_stop_sequences: int = Field(16, ge=1, description="Stop strings one request may give (OpenAI: 4).")
+    max_bad_words: int = Field(1024, ge=1, description="bad_words one request may give.")
+    max_allowed_token_ids: int = Field(4096, ge=1, description="allowed_token_ids one request may give.")
+    max_logit_bias: int = Field(300, ge=1, description="logit_bias entries of one request (OpenAI: 300).")
+    # Structured output (engine/grammars.py GrammarBudget, engine/structured.py GrammarBackend).
+    max_constraint_depth: int = Field(
+        64, ge=1, description="Nesting levels of a JSON Schema constraint (brackets of a regex / grammar).")
+    max_constraint_bytes: int = Field(1 << 20, ge=64, description="Size of one output constraint's text.")
+    grammar_compile_timeout_seconds: float = Field(
+        30.0, gt=0, description="Time one constraint may take to convert (ingest) or compile (worker).")
+    grammar_compile_workers: int = Field(2, ge=1, description="Worker threads compiling grammars, shared "
+                                         "fairly between owners.")
+    compiled_grammar_cache_bytes: int = Field(
+        512 << 20, ge=1 << 20, description="Memory of compiled grammars a worker keeps for reuse.")
     ingest_chunk_bytes: int = Field(8 << 20, ge=1 << 16, description="Input bytes per ingest commit.")
     max_form_fields: int = Field(16, ge=1, description="Form fields of one multipart upload.")
     # On by default (a shared deployment is safe as installed); 0 or "none" turns each one off.

@@ -15,14 +15,18 @@ batchinfer knows but does not do are unsupported_fields.py's; /v1/embeddings bod
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import orjson
+from cachetools import LRUCache
 
 from batchinfer import embedding_lines, request_options, responses_lines
+from batchinfer.engine.grammars import DEFAULT_GRAMMAR_BUDGET, GrammarBudget, using_budget
 from batchinfer.engine.sampling_params import SamplingParams, SamplingParamsError
 from batchinfer.request_options import CHAT_OPTION_FIELDS, COMPLETION_OPTION_FIELDS
 from batchinfer.structured_fields import CONSTRAINT_FIELDS, read_constraint
@@ -44,6 +48,7 @@ ENDPOINT_TO_URL = {endpoint: url for url, endpoint in URL_TO_ENDPOINT.items()}
 MAX_CUSTOM_ID_CHARS = 512
 MAX_N = 128
 MAX_METADATA_KEYS = 16
+MAX_JSON_DEPTH = 254  # orjson writes at most this many levels (it reads 1024): deeper cannot be stored
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 ENVELOPE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 SAMPLING_FIELDS = frozenset({
@@ -109,8 +114,12 @@ class NormalizedRequest:
 # --------------------------------------------------------------------------------------------- input
 
 
-def parse_line(line: bytes, line_number: int, *, max_metadata_bytes: int = 16 * 1024) -> NormalizedRequest:
-    """Parse and validate one input line (bytes without the newline) or raise LineError."""
+def parse_line(line: bytes, line_number: int, *, max_metadata_bytes: int = 16 * 1024,
+               constraint_budget: GrammarBudget = DEFAULT_GRAMMAR_BUDGET) -> NormalizedRequest:
+    """Parse and validate one input line (bytes without the newline) or raise LineError.
+
+    `constraint_budget`: what a structured output constraint may cost (engine/grammars.py GrammarBudget).
+    """
     try:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError as exc:
@@ -125,14 +134,15 @@ def parse_line(line: bytes, line_number: int, *, max_metadata_bytes: int = 16 * 
         raise LineError(f"expected a JSON object, got {_json_type(obj)}", code="invalid_json")
     shorthand = "body" not in obj and "url" not in obj and "method" not in obj
     if shorthand and ("messages" in obj or "prompt" in obj):
-        return _parse_shorthand(obj, line_number, max_metadata_bytes)
+        return _parse_shorthand(obj, line_number, max_metadata_bytes, constraint_budget)
     if obj.keys() & ENVELOPE_FIELDS:
-        return _parse_envelope(obj, max_metadata_bytes)
+        return _parse_envelope(obj, max_metadata_bytes, constraint_budget)
     raise LineError("line has none of custom_id/method/url/body (OpenAI batch form) nor messages/prompt "
                     "(shorthand form)", code="missing_required_parameter")
 
 
-def _parse_shorthand(obj: dict[str, Any], line_number: int, max_metadata_bytes: int) -> NormalizedRequest:
+def _parse_shorthand(obj: dict[str, Any], line_number: int, max_metadata_bytes: int,
+                     budget: GrammarBudget) -> NormalizedRequest:
     custom_id = obj.get("custom_id", f"line-{line_number}")
     if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
         raise LineError(f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters, "
@@ -143,10 +153,10 @@ def _parse_shorthand(obj: dict[str, Any], line_number: int, max_metadata_bytes: 
     if "custom_id" in obj:
         body = {k: v for k, v in obj.items() if k != "custom_id"}
     endpoint = Endpoint.CHAT if "messages" in obj else Endpoint.COMPLETIONS
-    return _normalize(endpoint, body, custom_id, "", max_metadata_bytes)
+    return _normalize(endpoint, body, custom_id, "", max_metadata_bytes, budget)
 
 
-def _parse_envelope(obj: dict[str, Any], max_metadata_bytes: int) -> NormalizedRequest:
+def _parse_envelope(obj: dict[str, Any], max_metadata_bytes: int, budget: GrammarBudget) -> NormalizedRequest:
     custom_id = obj.get("custom_id")
     readable = isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS \
         and "\x00" not in custom_id
@@ -177,11 +187,11 @@ def _parse_envelope(obj: dict[str, Any], max_metadata_bytes: int) -> NormalizedR
                    "url")
     if not isinstance(body, dict):
         raise fail(f"body must be a JSON object, got {_json_type(body)}", param="body")
-    return _normalize(URL_TO_ENDPOINT[url], body, custom_id, "body.", max_metadata_bytes)
+    return _normalize(URL_TO_ENDPOINT[url], body, custom_id, "body.", max_metadata_bytes, budget)
 
 
 def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: str,
-               max_metadata_bytes: int) -> NormalizedRequest:
+               max_metadata_bytes: int, budget: GrammarBudget) -> NormalizedRequest:
     readable_id = custom_id or None
 
     def fail(message: str, param: str, code: str = "invalid_request") -> LineError:
@@ -209,13 +219,18 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
             raise fail(str(exc), "metadata") from None
     # Files repeat a handful of sampling configurations: build (and so validate) each distinct one once
     # and share it. The key is the JSON text, so 1, 1.0 and true stay distinct.
-    key = (endpoint, orjson.dumps(options))
-    checked = _OPTIONS_CACHE.get(key)
-    if checked is None:
-        checked = _check_options(endpoint, options)
-        if len(_OPTIONS_CACHE) >= _OPTIONS_CACHE_SIZE:
-            _OPTIONS_CACHE.clear()
-        _OPTIONS_CACHE[key] = checked
+    try:
+        key = (endpoint, budget, orjson.dumps(options))
+    except orjson.JSONEncodeError:  # orjson writes 254 levels but reads 1024: the row could not be stored
+        raise _too_deep(options, fail) from None
+    with _OPTIONS_LOCK:
+        entry = _OPTIONS_CACHE.get(key)
+    if entry is None:
+        with using_budget(budget):
+            entry = (_check_options(endpoint, options), _OPTIONS_ENTRY_FACTOR * len(key[2]) + 512)
+        with _OPTIONS_LOCK, contextlib.suppress(ValueError):  # ValueError: larger than the whole cache
+            _OPTIONS_CACHE[key] = entry
+    checked = entry[0]
     if isinstance(checked, LineError):
         raise fail(checked.message, checked.param or "", checked.code)
     try:
@@ -230,8 +245,24 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
 
 _PROMPT_AND_METADATA = frozenset({"messages", "prompt", "metadata"})
 _EMBEDDING_PARAMS = SamplingParams(max_tokens=None)
-_OPTIONS_CACHE: dict[tuple[Endpoint, bytes], SamplingParams | LineError] = {}
-_OPTIONS_CACHE_SIZE = 4096
+# Bounded in bytes: an entry holds its JSON text and the values parsed from it (the factor), so one
+# distinct 1 MB line costs ~5 MB here and the whole cache at most OPTIONS_CACHE_BYTES.
+OPTIONS_CACHE_BYTES = 64 << 20
+_OPTIONS_ENTRY_FACTOR = 5
+_OPTIONS_CACHE: LRUCache[tuple[Endpoint, GrammarBudget, bytes], tuple[SamplingParams | LineError, int]] = \
+    LRUCache(maxsize=OPTIONS_CACHE_BYTES, getsizeof=lambda entry: entry[1])  # (checked, bytes counted)
+_OPTIONS_LOCK = threading.Lock()  # the API ingests on several threads; cachetools' caches are not safe
+
+
+def _too_deep(options: dict[str, Any], fail: Any) -> LineError:
+    """The error of a body whose field nests deeper than a stored request may (MAX_JSON_DEPTH)."""
+    for name in sorted(options):
+        try:
+            orjson.dumps(options[name])
+        except orjson.JSONEncodeError:
+            return fail(f"nests more than {MAX_JSON_DEPTH} levels deep (the JSON nesting limit of a stored "
+                        "request); flatten it", name)
+    return fail(f"the body nests more than {MAX_JSON_DEPTH} levels deep; flatten it", "body")
 
 
 def _check_options(endpoint: Endpoint, options: dict[str, Any]) -> SamplingParams | LineError:

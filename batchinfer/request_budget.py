@@ -11,6 +11,9 @@ request costs a worker:
   `max_request_logprobs` (each entry is a JSON object of the result line).
 - Stop strings: at most `max_stop_sequences` (the engine's matching cost per token does not grow with
   the list, engine/stop_matcher.py, but each string is kept per sequence).
+- Logits controls: at most `max_bad_words` bad_words, `max_allowed_token_ids` allowed_token_ids and
+  `max_logit_bias` logit_bias entries (their cost per step does not grow with the lists,
+  engine/logits_controls.py, but each is tokenized, stored and turned into masks once per request).
 
 The KV capacity, unless set, is what kv_cache_memory_bytes holds of the job's model when its config.json
 is on this machine (a model directory, or an alias already converted), else DEFAULT_KV_TOKENS.
@@ -50,6 +53,9 @@ class RequestBudget:
     max_stop: int
     max_context: int | None = None
     kv_source: str = "max_request_kv_tokens"  # how max_kv_tokens was found, for the error message
+    max_bad_words: int = 1024
+    max_allowed_token_ids: int = 4096
+    max_logit_bias: int = 300
 
     @classmethod
     def from_settings(cls, settings: Settings, model: str | None = None) -> RequestBudget:
@@ -67,7 +73,9 @@ class RequestBudget:
         else:
             kv_tokens, source = DEFAULT_KV_TOKENS, "max_request_kv_tokens default"
         return cls(max_kv_tokens=kv_tokens, max_logprobs=settings.max_request_logprobs,
-                   max_stop=settings.max_stop_sequences, max_context=context, kv_source=source)
+                   max_stop=settings.max_stop_sequences, max_context=context, kv_source=source,
+                   max_bad_words=settings.max_bad_words, max_allowed_token_ids=settings.max_allowed_token_ids,
+                   max_logit_bias=settings.max_logit_bias)
 
     def check(self, request: NormalizedRequest) -> None:
         """Raise LineError (code request_too_large) naming the field, the limit and its setting."""
@@ -76,6 +84,12 @@ class RequestBudget:
         if len(stops) > self.max_stop:
             raise _error(f"{len(stops)} stop strings; at most {self.max_stop} are allowed "
                          "(max_stop_sequences)", "stop", request)
+        for field, limit in (("bad_words", self.max_bad_words), ("logit_bias", self.max_logit_bias),
+                             ("allowed_token_ids", self.max_allowed_token_ids)):
+            given = len(getattr(params, field) or ())
+            if given > limit:
+                raise _error(f"{given} {field} entries; at most {limit} are allowed (max_{field}); shorten "
+                             "the list", field, request)
         prompt = estimate_prompt_tokens(request)
         if params.max_tokens is not None:
             per_seq, generated = prompt + params.max_tokens, params.max_tokens

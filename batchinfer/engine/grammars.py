@@ -14,15 +14,31 @@ One rewrite: xgrammar's rule for a string with minLength / maxLength lets raw co
 \x1a) into the string, which is not JSON; `xgrammar_schema` states those lengths as the equivalent
 pattern `^.{min,max}$`, whose JSON-string rule keeps them out.
 
+Budget (`GrammarBudget`, README "Security"): a constraint is measured before xgrammar sees it, its text
+against `max_constraint_bytes` and its nesting against `max_constraint_depth` (xgrammar's schema
+conversion is superlinear in depth: 250 nested arrays cost ~1 s), and its conversion runs on a helper
+thread for at most `grammar_compile_timeout_seconds`. A constraint beyond any of them is the line's error,
+naming the limit and its setting. The ingest's budget is a context variable (`using_budget`): the check
+runs inside SamplingParams' construction, which takes no settings.
+
 Import-light: xgrammar (which imports torch) is imported only when a constraint is checked or built.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import hashlib
 import json
 import re
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
+
+from cachetools import LRUCache
 
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
@@ -75,13 +91,97 @@ class GrammarError(ValueError):
     """A constraint that cannot become a grammar; str() says what is wrong and where, for the user."""
 
 
+@dataclass(frozen=True)
+class GrammarBudget:
+    """The work one constraint may cost (module docstring); the defaults are the settings' defaults."""
+
+    max_depth: int = 64  # max_constraint_depth: JSON nesting of a schema, bracket nesting of a regex/grammar
+    max_bytes: int = 1 << 20  # max_constraint_bytes: the constraint's text (a schema as compact JSON)
+    timeout_s: float = 30.0  # grammar_compile_timeout_seconds: conversion at ingest, compilation in workers
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> GrammarBudget:
+        """The budget batchinfer's Settings configure (duck-typed: the engine does not import them)."""
+        return cls(settings.max_constraint_depth, settings.max_constraint_bytes,
+                   settings.grammar_compile_timeout_seconds)
+
+
+DEFAULT_GRAMMAR_BUDGET = GrammarBudget()
+_BUDGET: ContextVar[GrammarBudget] = ContextVar("grammar_budget", default=DEFAULT_GRAMMAR_BUDGET)
+
+
+@contextlib.contextmanager
+def using_budget(budget: GrammarBudget) -> Iterator[None]:
+    """Check the constraints built inside the block against `budget` (this thread / task only)."""
+    token = _BUDGET.set(budget)
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
+
+
 def check_constraint(kind: str, value: Any, *, any_whitespace: bool = True) -> None:
-    """Raise GrammarError unless `value` is a usable constraint of `kind` (shape already checked)."""
+    """Raise GrammarError unless `value` is a usable constraint of `kind` (shape already checked), within
+    the current budget (`using_budget`)."""
+    budget = _BUDGET.get()
+    if kind == "json" and json_depth(value, budget.max_depth) > budget.max_depth:  # before any recursion
+        raise _too_deep(kind, budget)
+    text = canonical_text(kind, value)
+    check_size(kind, text, budget)
     if kind == "json":
         problem = schema_problem(value)
         if problem is not None:
             raise GrammarError(problem)
-    _cached_check(kind, canonical_text(kind, value), any_whitespace)
+    _timed_check(kind, text, any_whitespace, budget)
+
+
+def check_size(kind: str, text: str, budget: GrammarBudget) -> None:
+    """Raise GrammarError when the constraint's text, or a regex's / grammar's nesting, exceeds the budget."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > budget.max_bytes:
+        raise GrammarError(f"the {kind} constraint is {size} bytes; at most {budget.max_bytes} are allowed "
+                           "(max_constraint_bytes); shorten it")
+    if kind in ("regex", "grammar") and bracket_depth(text, quoted=kind == "grammar") > budget.max_depth:
+        raise _too_deep(kind, budget)
+
+
+def _too_deep(kind: str, budget: GrammarBudget) -> GrammarError:
+    return GrammarError(f"the {kind} constraint nests more than {budget.max_depth} levels deep "
+                        "(max_constraint_depth); flatten it, or use $defs and $ref for repeated parts")
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """The nesting depth of a JSON value (objects and arrays), counted up to limit + 1 (iteratively)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def bracket_depth(text: str, *, quoted: bool) -> int:
+    """The deepest nesting of (), [] and {} in a regex or grammar (escapes, and grammar strings, skipped)."""
+    depth = deepest = 0
+    escaped = in_string = False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif quoted and char == '"':
+            in_string = not in_string
+        elif in_string:
+            continue
+        elif char in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in ")]}":
+            depth = max(depth - 1, 0)
+    return deepest
 
 
 def build_grammar(kind: str, value: Any, *, any_whitespace: bool = True) -> Any:
@@ -215,11 +315,48 @@ def _keyword_rules(schema: dict[str, Any], path: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=1024)
-def _cached_check(kind: str, text: str, any_whitespace: bool) -> None:
-    """Parse the constraint once per distinct text (an error is raised again on every call: not cached)."""
-    value = json.loads(text) if kind in ("json", "choice") else text
-    build_grammar(kind, value, any_whitespace=any_whitespace)
+# Verdicts of checked constraints by digest: "" (usable) or the error. Keyed by a hash, so an entry costs
+# its error text, not the constraint's (a 750 KB choice list is 32 bytes here); bounded in bytes.
+CHECK_CACHE_BYTES = 4 << 20
+_CHECKED: LRUCache[bytes, str] = LRUCache(maxsize=CHECK_CACHE_BYTES, getsizeof=lambda error: 160 + len(error))
+_CHECKED_LOCK = threading.Lock()
+
+
+def _timed_check(kind: str, text: str, any_whitespace: bool, budget: GrammarBudget) -> None:
+    """Parse the constraint once per distinct text, on a helper thread, for at most budget.timeout_s."""
+    key = hashlib.sha256(f"{kind}\0{any_whitespace}\0{text}".encode("utf-8", "surrogatepass")).digest()
+    with _CHECKED_LOCK:
+        verdict = _CHECKED.get(key)
+    if verdict is None:
+        verdict = _run_check(kind, text, any_whitespace, budget.timeout_s)
+        with _CHECKED_LOCK:
+            _CHECKED[key] = verdict
+    if verdict:
+        raise GrammarError(verdict)
+
+
+def _run_check(kind: str, text: str, any_whitespace: bool, timeout_s: float) -> str:
+    """"" when the constraint converts in time, else the error. xgrammar releases the GIL while it
+    converts; a conversion past its time finishes on its daemon thread (bounded by the size budget)."""
+    done: Future[None] = Future()
+
+    def convert() -> None:
+        try:
+            value = json.loads(text) if kind in ("json", "choice") else text
+            build_grammar(kind, value, any_whitespace=any_whitespace)
+            done.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            done.set_exception(exc)
+
+    threading.Thread(target=convert, name="batchinfer-grammar-check", daemon=True).start()
+    try:
+        done.result(timeout=timeout_s)
+    except FutureTimeout:
+        return (f"converting the {kind} constraint took longer than {timeout_s:g} s "
+                "(grammar_compile_timeout_seconds); simplify it")
+    except GrammarError as exc:
+        return str(exc)
+    return ""
 
 
 def _clean(exc: Exception) -> str:

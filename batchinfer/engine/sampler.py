@@ -2,10 +2,10 @@
 
 Order (vLLM V1): grammar bitmask on the constrained rows (structured output; so logprobs are those of
 the allowed tokens) -> raw log-softmax for logprobs -> allowed_token_ids / bad_words / logit_bias
-(logits_controls.py, only on the rows asking) -> min_tokens mask -> penalties -> greedy argmax for
-temperature-0 rows -> temperature -> min_p -> top_k / top_p -> exponential race. Per-request values
-travel as [batch] tensors; Python only loops over rows to collect parameters and, for seeded rows,
-to draw that row's noise from its own generator.
+(logits_controls.py, only on the rows asking, at a cost independent of their lists) -> min_tokens
+mask -> penalties -> greedy argmax for temperature-0 rows -> temperature -> min_p -> top_k / top_p ->
+exponential race. Per-request values travel as [batch] tensors; Python only loops over rows to collect
+parameters and, for seeded rows, to draw that row's noise from its own generator.
 
 Seeded requests are batch-invariant: row i's noise is q_i ~ Exp(1)^vocab drawn from a torch.Generator
 seeded with the request's seed and advanced once per sampled token, and argmax(p_i / q_i) is an exact
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from batchinfer.engine.logits_controls import apply_logits_controls
+from batchinfer.engine.logits_controls import ControlsCache, apply_logits_controls
 from batchinfer.engine.sequence import Sequence
 
 
@@ -71,6 +71,7 @@ class Sampler:
     def __init__(self, *, seed: int = 0, device: str | torch.device = "cpu") -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.controls = ControlsCache()  # each request's logits controls, precomputed once
 
     def __call__(
         self,
@@ -148,7 +149,7 @@ class Sampler:
         if (banned_rows or penalized or controlled) and logits is given:
             logits = logits.clone()  # the caller's logits stay untouched
         if controlled:
-            apply_logits_controls(logits, seqs, controlled)
+            apply_logits_controls(logits, seqs, controlled, self.controls)
         if banned_rows:
             logits[banned_rows, banned_cols] = float("-inf")
         if penalized:

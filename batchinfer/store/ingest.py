@@ -18,6 +18,7 @@ errors such requests.
 
 from __future__ import annotations
 
+import logging
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,7 +30,15 @@ from sqlalchemy import Engine, insert
 from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings
-from batchinfer.formats import ENDPOINT_TO_URL, URL_TO_ENDPOINT, Endpoint, LineError, parse_line
+from batchinfer.formats import (
+    DEFAULT_GRAMMAR_BUDGET,
+    ENDPOINT_TO_URL,
+    URL_TO_ENDPOINT,
+    Endpoint,
+    GrammarBudget,
+    LineError,
+    parse_line,
+)
 from batchinfer.request_budget import RequestBudget
 from batchinfer.store.ingest_writer import ChunkWriter, Duplicate
 from batchinfer.store.line_models import ModelRouting
@@ -42,6 +51,7 @@ from batchinfer.store.models import (
     utcnow,
 )
 
+logger = logging.getLogger(__name__)
 BOM = b"\xef\xbb\xbf"
 MAX_LISTED_ERRORS = 100  # errors kept on the job; the rest are counted (each bad line still has its row)
 PREFIX_LEVELS = ((64, 15), (256, 16), (1024, 16), (4096, 16))  # (prefix bytes, key bits) of prefix_key
@@ -56,12 +66,14 @@ class IngestLimits:
     max_metadata_bytes: int = 16 * 1024
     chunk_bytes: int = 8 << 20  # a chunk commits at this many input bytes (or chunk_rows rows): flat RSS
     budget: RequestBudget | None = None  # per-request resource bounds (request_budget.py); None: unchecked
+    constraint_budget: GrammarBudget = DEFAULT_GRAMMAR_BUDGET  # structured output's depth, size, time
 
     @classmethod
     def from_settings(cls, settings: Settings, model: str | None = None) -> IngestLimits:
         """The limits the settings configure for a job of `model` (max_line_bytes ... the request budget)."""
         return cls(settings.max_line_bytes, settings.max_requests_per_job, settings.max_metadata_bytes,
-                   settings.ingest_chunk_bytes, RequestBudget.from_settings(settings, model))
+                   settings.ingest_chunk_bytes, RequestBudget.from_settings(settings, model),
+                   GrammarBudget.from_settings(settings))
 
 
 @dataclass
@@ -183,25 +195,31 @@ def ingest_file(engine: Engine, *, job_id: int, stream: BinaryIO, limits: Ingest
                     "blank_line" if problem == "blank" else "line_too_long", None, None)
             else:
                 try:
-                    request = parse_line(content, line_number, max_metadata_bytes=limits.max_metadata_bytes)
+                    request = parse_line(content, line_number, max_metadata_bytes=limits.max_metadata_bytes,
+                                         constraint_budget=limits.constraint_budget)
                     if limits.budget is not None:
                         limits.budget.check(request)
                     if routing is not None and request.model is not None:
                         routing.route(request.model, line_number)  # model_not_found: line_models.py
+                    if required is not None and request.endpoint is not required:
+                        raise LineError(f"url {ENDPOINT_TO_URL[request.endpoint]} does not match the batch "
+                                        f"endpoint {endpoint}; every line must use it", code="invalid_url",
+                                        param="url", custom_id=request.custom_id)
+                    row = (base_id | line_number, job_id, line_number, request.custom_id, pending,
+                           _ENDPOINT_VALUE[request.endpoint], dumps(request.payload()).decode(), None, None)
+                    key = prefix_key(request.prefix_text())
                 except LineError as exc:
                     bad(line_number, exc.message, exc.code, exc.param, exc.custom_id)
+                except Exception as exc:  # noqa: BLE001 - whatever a line does, it costs that line only
+                    logger.warning("line %d: unexpected %s while reading it", line_number, type(exc).__name__,
+                                   exc_info=True)
+                    bad(line_number, f"could not be read ({type(exc).__name__}: {str(exc)[:200]}); check "
+                        "the line's JSON against the README's input format", "invalid_request", None, None)
                 else:
-                    if required is None or request.endpoint is required:
-                        rows.append((base_id | line_number, job_id, line_number, request.custom_id, pending,
-                                     _ENDPOINT_VALUE[request.endpoint], dumps(request.payload()).decode(),
-                                     None, None))
-                        add_key(prefix_key(request.prefix_text()))
-                        add_line(line_number)
-                        result.valid += 1
-                    else:
-                        bad(line_number, f"url {ENDPOINT_TO_URL[request.endpoint]} does not match the batch "
-                            f"endpoint {endpoint}; every line must use it", "invalid_url", "url",
-                            request.custom_id)
+                    rows.append(row)
+                    add_key(key)
+                    add_line(line_number)
+                    result.valid += 1
             if stop_after_errors is not None and result.invalid >= stop_after_errors:
                 break
             chunk_bytes += len(content)
