@@ -16,6 +16,7 @@ _EXPORTS = {
     "EngineStats": "batchinfer.engine.metrics",
     "LLM": "batchinfer.engine.llm",
     "Logprob": "batchinfer.engine.outputs",
+    "LoRARequest": "batchinfer.engine.lora.request",
     "ModelRunnerProtocol": "batchinfer.engine.runner_protocol",
     "RequestOutput": "batchinfer.engine.outputs",
     "ResolvedModel": "batchinfer.engine.resolved_model",

@@ -24,8 +24,9 @@ Invariants (checked by `check_invariants`):
    popping a hashed block evicts it from the cache (O(1): doubly linked list + dict).
 7. Block hash of block i of a sequence: sha256(hash of block i-1 (32 zero bytes for i == 0)
    || token ids of block i as little-endian int64 || extra keys), extra keys = (model namespace,
-   cache_salt). Equal hashes therefore mean equal model, salt and whole token prefix (sha256 is
-   collision-safe), so a salted request never hits another salt's blocks.
+   cache_salt, LoRA adapter key or None). Equal hashes therefore mean equal model, salt, adapter and whole
+   token prefix (sha256 is collision-safe), so a salted request never hits another salt's blocks, and a
+   block computed under one adapter is never reused for another adapter or the base model.
 8. The last token of a sequence is never served from the cache (its logits are needed): the cached
    length is capped at num_tokens - 1, rounded down to a whole block.
 """
@@ -142,7 +143,8 @@ class BlockManager:
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
         self.stats = PrefixCacheStats()
         self._num_hashed: dict[int, int] = {}  # seq_id -> leading blocks of its table already hashed
-        self._extra_keys: dict[str | None, bytes] = {}  # cache_salt -> encoded extra keys
+        # (cache_salt, adapter key) -> encoded extra keys
+        self._extra_keys: dict[tuple[str | None, str | None], bytes] = {}
 
     # --- figures -------------------------------------------------------------------------------------
 
@@ -289,10 +291,14 @@ class BlockManager:
         """seq.block_hashes extended to at least `num_full` blocks (hashed once per sequence)."""
         hashes, bs = seq.block_hashes, self.block_size
         if len(hashes) < num_full:
-            extra = self._extra_keys.get(seq.cache_salt)
+            lora = seq.lora_request
+            keys = (seq.cache_salt, None if lora is None else lora.cache_key)
+            extra = self._extra_keys.get(keys)
             if extra is None:
-                extra = json.dumps([self.namespace, seq.cache_salt]).encode()
-                self._extra_keys[seq.cache_salt] = extra
+                # The base model's keys stay [namespace, salt]: its hashes are the ones before LoRA existed.
+                extra = json.dumps([self.namespace, *keys] if lora else [self.namespace, seq.cache_salt])
+                extra = extra.encode()
+                self._extra_keys[keys] = extra
             for i in range(len(hashes), num_full):
                 parent = hashes[i - 1] if i else NONE_HASH
                 hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], extra))

@@ -49,6 +49,12 @@ class EngineConfig:
     # Speculative decoding: {"method": "ngram" | "draft_model", ...} (spec_decode/config.py); None: off.
     # Validated into a SpeculativeConfig here, so errors name speculative_config.<key>.
     speculative_config: Any = None
+    # Multi-LoRA (lora/): requests may run under PEFT adapters (lora_request); max_loras adapters in one
+    # step, ranks up to max_lora_rank, max_cpu_loras adapters kept loaded (None: max_loras), LRU evicted.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -94,6 +100,7 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enforce_eager", "adaptive_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false; got {getattr(self, name)!r}")
+        self._check_lora()
         from batchinfer.engine.spec_decode.config import parse_speculative_config
 
         self.speculative_config = parse_speculative_config(self.speculative_config)
@@ -101,6 +108,18 @@ class EngineConfig:
                 and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config.method: draft_model runs with tensor_parallel_size=1 and "
                              "pipeline_parallel_size=1 only (the n-gram method works at any size)")
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora: must be true or false; got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            _require_int(name, getattr(self, name), minimum=1)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _require_int("max_cpu_loras", self.max_cpu_loras, minimum=self.max_loras)
+        if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora: LoRA adapters run with tensor_parallel_size=1 and "
+                             "pipeline_parallel_size=1 only")
 
     @classmethod
     def field_names(cls) -> list[str]:

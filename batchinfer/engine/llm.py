@@ -14,6 +14,7 @@ from typing import Any
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.llm_engine import Engine
+from batchinfer.engine.lora.request import LoRARequest
 from batchinfer.engine.outputs import RequestOutput
 from batchinfer.engine.sampling_params import SamplingParams
 
@@ -51,8 +52,12 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order.
+
+        lora_request (enable_lora): the adapter of every prompt, or one per prompt (None: the base model).
+        """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -63,7 +68,7 @@ class LLM:
                 token_ids.append(self.engine.tokenize(prompt))
             except ValueError as exc:
                 raise ValueError(f"prompts[{i}]: {exc}") from None
-        outputs = self._run(token_ids, sampling_params, use_tqdm=use_tqdm)
+        outputs = self._run(token_ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for output, prompt in zip(outputs, prompts, strict=True):
             output.prompt = prompt if isinstance(prompt, str) else None
         return outputs
@@ -104,7 +109,15 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None,
         *,
         use_tqdm: bool,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        if isinstance(lora_request, list):
+            if len(lora_request) != len(token_ids):
+                raise ValueError(f"lora_request: {len(lora_request)} given for {len(token_ids)} prompts; "
+                                 "pass one, or one per prompt")
+            loras = lora_request
+        else:
+            loras = [lora_request] * len(token_ids)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(token_ids):
                 raise ValueError(
@@ -122,7 +135,7 @@ class LLM:
         added: list[str] = []
         try:
             for i in order:
-                self.engine.add_request(request_ids[i], token_ids[i], params_list[i])
+                self.engine.add_request(request_ids[i], token_ids[i], params_list[i], lora_request=loras[i])
                 added.append(request_ids[i])
         except ValueError as exc:
             for request_id in added:

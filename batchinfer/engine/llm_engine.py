@@ -30,6 +30,7 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.detokenizer import IncrementalDetokenizer
 from batchinfer.engine.executor import make_model_runner
 from batchinfer.engine.logits_controls import bad_words_token_ids
+from batchinfer.engine.lora.request import LoRARequest
 from batchinfer.engine.metrics import EngineStats, MetricsRecorder
 from batchinfer.engine.outputs import RequestOutput, make_logprob_entry, make_request_output
 from batchinfer.engine.request_checks import check_param_token_ids, prompt_token_ids, resolved_max_tokens
@@ -118,8 +119,12 @@ class Engine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request; raises ValueError naming the bad field (engine state unchanged)."""
+        """Validate and queue a request; raises ValueError naming the bad field (engine state unchanged).
+
+        lora_request: the PEFT adapter the request runs under (enable_lora); loaded and checked here.
+        """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string; got {request_id!r}")
         if request_id in self._requests:
@@ -131,6 +136,8 @@ class Engine:
             raise ValueError(f"priority: must be an integer; got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt: must be a string; got {cache_salt!r}")
+        if lora_request is not None:
+            self._add_lora(lora_request)
         prompt_token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
         if params.truncate_prompt_tokens is not None:  # vLLM: keep the prompt's last k tokens
             prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens:]
@@ -156,6 +163,7 @@ class Engine:
                 arrival_time=arrival,
                 priority=priority,
                 cache_salt=cache_salt,
+                lora_request=lora_request,
             )
             for i in range(params.n)
         ]
@@ -175,6 +183,16 @@ class Engine:
             self._queue(group)
         else:
             self._awaiting_grammar.append(group)
+
+    def _add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a request's adapter on the runner (ValueError naming the problem if it cannot run)."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: must be a LoRARequest; got {type(lora_request).__name__}")
+        add_lora = getattr(self.model_runner, "add_lora", None)
+        if add_lora is None or not self.config.enable_lora:
+            raise ValueError("lora_request: this engine was started without enable_lora "
+                             "(LLM(model, enable_lora=True), or --lora-modules)")
+        add_lora(lora_request)
 
     def _queue(self, group: SequenceGroup) -> None:
         """Hand a request's sequences to the scheduler (a constrained one's grammar is compiled by now)."""

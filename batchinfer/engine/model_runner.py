@@ -114,6 +114,14 @@ class ModelRunner:
                      model_path=self.model_path, max_model_len=self.max_model_len,
                      gguf_path=self.gguf_path)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.lora_manager = None  # adapters' weights and each step's LoRABatch, when LoRA is enabled
+        if config.enable_lora:
+            from batchinfer.engine.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.hf_config, max_lora_rank=config.max_lora_rank,
+                                            max_cpu_loras=config.max_cpu_loras, dtype=self.dtype,
+                                            device=self.device)
+            self.lora_manager.attach(self.model)
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.block_bytes = (
@@ -148,6 +156,12 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing outlives a step on one rank (ModelRunnerProtocol's close)."""
+
+    def add_lora(self, lora_request: Any) -> None:
+        """Load and check a request's adapter (lora.adapter.LoRAError if it cannot run on this model)."""
+        if self.lora_manager is None:
+            raise ValueError("lora_request: this engine was started without enable_lora")
+        self.lora_manager.add(lora_request)
 
     # --- KV cache -------------------------------------------------------------------------------------
 
@@ -253,6 +267,7 @@ class ModelRunner:
             max_seqlen_k=max(seq_lens),
             backend=self.attention_backend,
             torch_plan=plan,
+            lora=None if self.lora_manager is None else self.lora_manager.batch_for(scheduled),
         )
         return _StepBatch(
             input_ids=_to(torch.tensor(input_ids, dtype=torch.long), device),
@@ -319,8 +334,8 @@ class ModelRunner:
         return sizes
 
     def _graph_size(self, batch: _StepBatch) -> int | None:
-        if not self._graphs or not batch.is_decode_only:
-            return None
+        if not self._graphs or not batch.is_decode_only or batch.context.lora is not None:
+            return None  # the graphs are captured without adapters
         if batch.context.block_tables.shape[1] > self.max_blocks_per_seq:
             return None
         for size in sorted(self._graphs):

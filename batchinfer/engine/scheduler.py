@@ -11,7 +11,9 @@ min(tokens not yet computed, budget left) tokens. Each step:
    (priority, arrival), lower priority value first) while token budget, max_num_seqs and blocks last.
    A prefix-cache hit is taken at admission and only the uncached tokens count against the budget.
    Admission stops at the first sequence that does not fit: later ones never jump the queue, so
-   nobody starves.
+   nobody starves. With LoRA enabled, a sequence fits only while the running sequences' adapters plus
+   its own number at most max_loras (base-model sequences count none), so every step's batch carries at
+   most max_loras adapters (the LoRABatch invariant).
 
 A sequence that still needs prompt logprobs takes no prefix-cache hit (every prompt position's logits must
 be computed) and runs its prompt in chunks of at most PROMPT_LOGPROBS_CHUNK tokens, which bounds the
@@ -64,6 +66,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len or config.max_model_len or 1 << 62
         self.speculative = config.speculative_config  # SpeculativeConfig | None
+        self.max_loras = config.max_loras if config.enable_lora else None
         self.block_manager = block_manager
         self.running: list[Sequence] = []
         self.preempted: deque[Sequence] = deque()  # the front of the queue
@@ -125,10 +128,16 @@ class Scheduler:
         if out.preempted:
             return out  # blocks are short: admit nobody new this step
 
+        loras = self._running_loras() if self.max_loras is not None else None
         while budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._peek_waiting()
             if seq is None:
                 break
+            lora = seq.lora_request
+            if loras is not None and lora is not None and lora.lora_int_id not in loras:
+                if len(loras) >= self.max_loras:
+                    break  # a step carries at most max_loras adapters: wait for one to drain
+                loras.add(lora.lora_int_id)
             if seq.needs_prompt_logprobs:
                 hits, chunk = [], PROMPT_LOGPROBS_CHUNK
             else:
@@ -146,6 +155,10 @@ class Scheduler:
             out.scheduled.append((seq, num_new))
             budget -= num_new
         return out
+
+    def _running_loras(self) -> set[int]:
+        """Ids of the adapters the running sequences use."""
+        return {seq.lora_request.lora_int_id for seq in self.running if seq.lora_request is not None}
 
     def _leaves_room(self, seq: Sequence, num_tokens: int, num_later: int) -> bool:
         """True if `seq` can take num_tokens more slots and leave a free block for each later sequence."""

@@ -3,7 +3,8 @@ SequenceGroup: a request's n sequences, which share its prompt.
 
 The model runner reads three fields of a sequence and nothing else (ARCHITECTURE.md, contract 2):
 `token_ids` (prompt + generated so far), `num_computed_tokens` (tokens whose K/V is in the cache) and
-`block_table` (physical block ids; block i holds positions [i * block_size, (i + 1) * block_size)).
+`block_table` (physical block ids; block i holds positions [i * block_size, (i + 1) * block_size)),
+plus `lora_request` (the adapter its tokens run under, None for the base model) when LoRA is enabled.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Sequence:
         arrival_time: float = 0.0,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -86,6 +88,7 @@ class Sequence:
         self.seed = params.seed_for_child(index)
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # lora.LoRARequest or None (the base model); part of the block hash
         self.status = SequenceStatus.WAITING
 
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -94,7 +97,7 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.block_table: list[int] = []
         # Chained hashes of the full blocks of token_ids, filled lazily by the block manager. A function of
-        # the tokens and the cache salt only, so it survives preemption.
+        # the tokens, the cache salt and the adapter only, so it survives preemption.
         self.block_hashes: list[bytes] = []
 
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it

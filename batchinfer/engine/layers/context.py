@@ -12,6 +12,7 @@ import torch
 
 if TYPE_CHECKING:
     from batchinfer.engine.layers.attention_plan import TorchAttentionPlan
+    from batchinfer.engine.lora.layers import LoRABatch
 
 
 @dataclass
@@ -22,6 +23,7 @@ class AttentionContext:
     cu_seqlens_q  [S+1] int32 sequence s owns packed tokens cu_seqlens_q[s] : cu_seqlens_q[s+1]
     seq_lens      [S] int32   context of s after this step (cached + new tokens)
     block_tables  [S, B] int32 physical blocks of s, padded with -1
+    lora          the adapter segments of the packed tokens (None: every token runs the base model)
     """
 
     slot_mapping: torch.Tensor
@@ -32,6 +34,7 @@ class AttentionContext:
     max_seqlen_k: int
     backend: str  # "torch" or "triton"
     torch_plan: TorchAttentionPlan | None = None  # gather/mask plan of the torch backend
+    lora: LoRABatch | None = None  # per active adapter its token rows (lora/layers.py); None: no LoRA work
 
 
 _CONTEXT: AttentionContext | None = None
@@ -41,6 +44,11 @@ def set_context(context: AttentionContext | None) -> None:
     """Install the layout of the step about to run (None clears it)."""
     global _CONTEXT
     _CONTEXT = context
+
+
+def current_lora_batch() -> LoRABatch | None:
+    """The running step's LoRA layout (None outside a step or when no token runs under an adapter)."""
+    return None if _CONTEXT is None else _CONTEXT.lora
 
 
 def get_context() -> AttentionContext:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.engine.distributed import all_reduce, tp_rank, tp_world_size
+from batchinfer.engine.layers.context import current_lora_batch
 
 __all__ = ["tp_rank", "tp_world_size"]
 
@@ -45,7 +46,13 @@ def _divide(numerator: int, denominator: int) -> int:
 
 
 class LinearBase(nn.Module):
-    """y = x @ W.T (+ b); W is [output_size, input_size] as in nn.Linear; tp_dim is split across ranks."""
+    """y = x @ W.T (+ b); W is [output_size, input_size] as in nn.Linear; tp_dim is split across ranks.
+
+    lora_key (set by lora.manager.LoRAManager.attach when LoRA is enabled): the adapter weights of this
+    module; a step whose context carries a LoRABatch adds its adapters' deltas to their rows.
+    """
+
+    lora_key: str | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int) -> None:
         super().__init__()
@@ -82,10 +89,13 @@ class LinearBase(nn.Module):
             _checked_copy(param.data, read_all(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the (local slice of the) linear map."""
-        if self.packed is not None:
-            return self.packed(x)
-        return F.linear(x, self.weight, self.effective_bias())
+        """Apply the (local slice of the) linear map (plus the step's LoRA deltas on an adapted module)."""
+        out = self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.effective_bias())
+        if self.lora_key is not None:
+            lora = current_lora_batch()
+            if lora is not None:
+                return lora.apply(self.lora_key, x, out)
+        return out
 
 
 def _take_rows(loaded: Any, shard_index: int, num_shards: int, size: int, dst: torch.Tensor) -> torch.Tensor:
