@@ -20,13 +20,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
 
 from batchinfer.engine.metrics import LABELS, PREFIX
+from batchinfer.store.progress import InflightReport
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -86,6 +87,7 @@ class WorkerMetrics:
         self._generated_tokens = generated_tokens or (lambda: 0)  # () -> tokens generated so far
         # (monotonic time, tokens so far), taken at claims, writes and heartbeats: the last RATE_WINDOW_S.
         self._samples: deque[tuple[float, int]] = deque([(time.monotonic(), self._generated_tokens())])
+        self._generated_at: float | None = None  # wall clock of the last sample that saw new tokens
         self.metrics_port: int | None = None
 
     @classmethod
@@ -122,20 +124,31 @@ class WorkerMetrics:
         self._sample()
 
     def tokens_per_second(self, now: float | None = None) -> float:
-        """Tokens generated per second over about the last RATE_WINDOW_S (0 while idle)."""
+        """Tokens generated per second over about the last RATE_WINDOW_S: 0 once nothing was generated for
+        that long (sparse idle samples would otherwise spread the last busy seconds over minutes)."""
         self._sample(now)
         (start, first), (end, last) = self._samples[0], self._samples[-1]
-        return max((last - first) / (end - start), 0.0) if end > start else 0.0
+        if end <= start or last == first:
+            return 0.0
+        return max((last - first) / (end - start), 0.0)
 
     def heartbeat_info(self, now: float | None = None) -> dict[str, Any]:
-        """The worker table's `info`: labels, metrics port and the current tokens/s."""
-        return {**self.labels, "metrics_port": self.metrics_port,
-                "tokens_per_second": round(self.tokens_per_second(now), 1)}
+        """The worker table's `info`: labels, metrics port, the current tokens/s (an instantaneous figure,
+        over RATE_WINDOW_S) and when it last generated (unix s; the dashboard shows 0 once that is old)."""
+        rate = round(self.tokens_per_second(now), 1)
+        return {**self.labels, "metrics_port": self.metrics_port, "tokens_per_second": rate,
+                "generated_at": self._generated_at}
 
     def _sample(self, now: float | None = None) -> None:
-        """Remember the token total now; keep one sample at or before the window's start."""
+        """Remember the token total now; keep one sample at or before the window's start, and none older
+        than the last growth of the total (an idle stretch contributes no old tokens)."""
         now = time.monotonic() if now is None else now
-        self._samples.append((now, self._generated_tokens()))
+        tokens = self._generated_tokens()
+        if tokens != self._samples[-1][1]:
+            self._generated_at = time.time()
+        elif now - self._samples[-1][0] >= RATE_WINDOW_S:
+            self._samples.clear()  # nothing generated for a whole window: the rate starts again from 0
+        self._samples.append((now, tokens))
         while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
             self._samples.popleft()
 
@@ -144,6 +157,17 @@ class WorkerMetrics:
         """Serve the process's metrics on `port` (0 or None: off); returns the port or None."""
         self.metrics_port = serve_metrics(port, host=host, registry=registry)
         return self.metrics_port
+
+
+def inflight_report(engine: Engine, request_ids: Iterable[str]) -> InflightReport:
+    """What the engine's generation requests among `request_ids` generated so far and may generate in all
+    (a shard heartbeat's report, store.progress; embeddings are not in the engine and count nothing)."""
+    requests = tokens = budget = 0
+    for request_id in request_ids:
+        state = engine.request_progress(request_id)
+        if state is not None:
+            requests, tokens, budget = requests + 1, tokens + state[0], budget + state[1]
+    return InflightReport(requests=requests, tokens=tokens, budget=budget)
 
 
 def serve_metrics(port: int | None, *, host: str = "0.0.0.0",

@@ -31,7 +31,7 @@ from batchinfer.store.errors import LeaseLost
 from batchinfer.store.models import JOB_TERMINAL_STATUSES, ShardStatus
 from batchinfer.store.result_files import record_result_sizes_in_background
 from batchinfer.store.shards import PendingRequest, ShardLease
-from workers.metrics import WorkerMetrics
+from workers.metrics import WorkerMetrics, inflight_report
 from workers.result_rows import embedding_row, error_row, result_row
 
 if TYPE_CHECKING:
@@ -298,10 +298,11 @@ class ShardRunner:
             if now - flight.last_check < self._check_interval:
                 continue
             flight.last_check = now
-            with self.sessions() as session:
+            with self.sessions() as session:  # with the tokens generated so far: honest progress
                 alive = shard_store.heartbeat(session, shard_id=shard_id,
                                               lease_token=flight.lease.lease_token,
-                                              lease_seconds=self.settings.lease_seconds)
+                                              lease_seconds=self.settings.lease_seconds,
+                                              inflight=inflight_report(self.engine, flight.outstanding))
             if not alive:  # job cancelled or expired, or the lease went to someone else
                 logger.info("shard %s stopped (job no longer in progress or lease lost)", shard_id)
                 self._abort_requests(flight)

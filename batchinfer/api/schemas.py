@@ -73,11 +73,21 @@ class BatchProgress(BaseModel):
 
     fraction: float
     tokens_per_second: float | None = Field(None, description="Generated tokens per second since the "
-                                                              "first shard was claimed.")
+                                                              "first shard was claimed (an average), "
+                                                              "counting requests still in flight.")
     requests_per_second: float | None = Field(None, description="Requests finished by workers per second "
                                                                 "since the first shard was claimed.")
-    eta_seconds: float | None = Field(None, description="Seconds left at the measured throughput; null "
-                                                        "until the first requests finished.")
+    eta_seconds: float | None = Field(None, description="Seconds left: remaining_tokens at "
+                                                        "tokens_per_second; null until tokens were "
+                                                        "generated.")
+    generated_tokens: int | None = Field(None, description="Tokens generated so far: finished requests' and "
+                                                           "in-flight ones' (the workers' last heartbeats).")
+    remaining_tokens: int | None = Field(None, description="Tokens expected still to come: the requests' "
+                                                           "max_tokens budgets left, scaled by the share "
+                                                           "finished requests used.")
+    input_tokens_per_second: float | None = Field(None, description="Input tokens read per second since the "
+                                                                    "first claim (an embeddings batch's "
+                                                                    "throughput).")
     started_at: int | None = Field(None, description="When a worker first claimed one of its shards.")
     note: str | None = Field(None, description="Why the batch does not move, e.g. no live worker serves "
                                                "its model.")

@@ -114,10 +114,7 @@ def _wait(backend: Any, batch: dict[str, Any], *, timeout: float | None, quiet: 
                     raise
                 fail(f"timed out waiting for {batch['id']} ({batch['status']}; last poll: {exc})",
                      code=EXIT_TIMEOUT, type="timeout")
-            counts, progress = batch["request_counts"], batch.get("progress") or {}
-            bar.set(done=counts["completed"] + counts["failed"], tokens=batch["usage"]["output_tokens"],
-                    total=counts["total"], eta_seconds=progress.get("eta_seconds"),
-                    tokens_per_second=progress.get("tokens_per_second"), status=batch["status"])
+            bar.show(batch)  # its counts and measured progress (tokens so far, ETA from the budgets)
     return batch
 
 

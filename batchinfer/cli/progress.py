@@ -2,15 +2,18 @@
 
 On a terminal it is a live rich bar; without one (cron, Airflow, CI logs) it prints one plain line every
 `interval_s` seconds and a last one at the end, since a redrawn bar in a log file is either nothing or
-noise. The ETA is measured throughput, never rich's own estimate: rich averages the last 30 seconds of
-updates, and requests of a long generation finish minutes apart, so it read `-:--:--` for most of a run.
-Locally (`run`) it is measured here from the bar's start; when polling (`submit --wait`) it is the batch
-object's `progress.eta_seconds`, measured by the store from the first shard claim (store.serialize).
+noise. Tokens/s and the ETA are the batch object's `progress` (store.progress: tokens generated so far,
+in-flight requests included, and the requests' max_tokens budgets), never rich's own estimate: the same
+figures `status --json`, the REST API and the dashboard show. `submit --wait` polls them; `run` follows
+them from the database its own worker heartbeats into (`follow`, a poll on a thread), while finished
+requests advance the count at once (`advance`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 DEFAULT_UPDATE_INTERVAL_S = 30.0
+FOLLOW_INTERVAL_S = 1.0  # how often `run` re-reads its batch's measured progress
 
 
 def format_duration(seconds: float | None) -> str:
@@ -61,38 +65,65 @@ class JobProgress:
         self._started = time.monotonic()
         self._last_line = self._started
         self._printed: tuple[int, str | None] | None = None  # (done, status) of the last line printed
+        self._lock = threading.Lock()  # `follow`'s thread and the caller's both update
+        self._stop_following = threading.Event()
+        self._follower: threading.Thread | None = None
+        self._requests_only = False  # an embeddings batch: the rate is of input tokens
 
     def __enter__(self) -> JobProgress:
         self._progress.start()
         return self
 
     def __exit__(self, *_exc: Any) -> None:
+        self._stop_following.set()
+        if self._follower is not None:
+            self._follower.join(timeout=5)
         self._progress.stop()
         if self._lines and self._printed != (self.done, self.status):  # the final state, once
             self._print_line()
 
     def advance(self, requests: int, tokens: int) -> None:
-        """Count requests finished and tokens generated since the last call (local mode: measured here)."""
-        from batchinfer.store.serialize import estimate_eta_seconds  # the one ETA rule, shared with REST
-
-        self.done += requests
-        self.tokens += tokens
-        elapsed = max(time.monotonic() - self._started, 1e-6)
-        self.tokens_per_second = self.tokens / elapsed
-        self.eta_seconds = estimate_eta_seconds(done=self.done - self._done_at_start,
-                                                remaining=self.total - self.done, elapsed_s=elapsed)
-        self._update()
+        """Count requests finished since the last call (local mode; tokens/s and ETA come from `follow`)."""
+        with self._lock:
+            self.done = min(self.done + requests, self.total)
+            self._update()
 
     def set(self, *, done: int, tokens: int, total: int | None = None, eta_seconds: float | None = None,
             tokens_per_second: float | None = None, status: str | None = None) -> None:
         """Set absolute figures (polling mode: the batch object's counts and measured progress)."""
-        self.done, self.tokens = done, tokens
-        self.total = self.total if total is None else total
-        self.eta_seconds, self.status = eta_seconds, status
-        if tokens_per_second is None:
-            tokens_per_second = tokens / max(time.monotonic() - self._started, 1e-6)
-        self.tokens_per_second = tokens_per_second
-        self._update()
+        with self._lock:
+            self.done, self.tokens = max(done, self.done), tokens  # `advance` may be ahead of the database
+            self.total = self.total if total is None else total
+            self.eta_seconds, self.status = eta_seconds, status
+            if tokens_per_second is None:
+                tokens_per_second = tokens / max(time.monotonic() - self._started, 1e-6)
+            self.tokens_per_second = tokens_per_second
+            self._update()
+
+    def show(self, batch: dict[str, Any]) -> None:
+        """Set the figures of a batch object: counts, generated tokens, its measured tokens/s and ETA."""
+        counts, progress = batch["request_counts"], batch.get("progress") or {}
+        tokens = progress.get("generated_tokens")
+        self.set(done=counts["completed"] + counts["failed"], total=counts["total"],
+                 tokens=batch["usage"]["output_tokens"] if tokens is None else tokens,
+                 eta_seconds=progress.get("eta_seconds"), tokens_per_second=progress.get("tokens_per_second"),
+                 status=batch["status"])
+        self._requests_only = not self.tokens and bool(progress.get("input_tokens_per_second"))
+        if self._requests_only:  # an embeddings batch generates nothing: show the inputs it read
+            self.tokens_per_second = progress.get("input_tokens_per_second")
+
+    def follow(self, fetch: Callable[[], dict[str, Any]], *, interval_s: float = FOLLOW_INTERVAL_S) -> None:
+        """Re-read the batch object (`fetch`) every `interval_s` on a daemon thread until the bar closes."""
+        def loop() -> None:
+            while not self._stop_following.wait(interval_s):
+                try:
+                    batch = fetch()
+                except Exception:  # noqa: BLE001 - a missed poll costs one refresh, never the run
+                    continue
+                self.show(batch)
+
+        self._follower = threading.Thread(target=loop, name="batchinfer-progress", daemon=True)
+        self._follower.start()
 
     def line(self) -> str:
         """The one-line update: who, status, done/total, failures aside, tokens/s, elapsed, ETA."""
@@ -100,13 +131,16 @@ class JobProgress:
         who = " ".join(part for part in (self.label, self.status or self.description) if part)
         eta = format_duration(0 if self.total and self.done >= self.total else self.eta_seconds)
         if self.eta_seconds is None and self.done < self.total:
-            eta = "unknown until requests finish"
-        return (f"{who}: {self.done}/{self.total} requests{percent}, {self.tokens_per_second or 0.0:,.1f} "
-                f"tok/s, elapsed {format_duration(time.monotonic() - self._started)}, ETA {eta}")
+            eta = "unknown until tokens are generated"
+        return (f"{who}: {self.done}/{self.total} requests{percent}, {self._rate()}, "
+                f"elapsed {format_duration(time.monotonic() - self._started)}, ETA {eta}")
+
+    def _rate(self) -> str:
+        unit = "input tok/s" if self._requests_only else "tok/s"
+        return f"{self.tokens_per_second or 0.0:,.1f} {unit}"
 
     def _update(self) -> None:
-        self._progress.update(self._task, completed=self.done, total=self.total,
-                              rate=f"{self.tokens_per_second or 0.0:,.1f} tok/s",
+        self._progress.update(self._task, completed=self.done, total=self.total, rate=self._rate(),
                               eta=format_duration(self.eta_seconds))
         if self._lines and time.monotonic() - self._last_line >= self.interval_s:
             self._print_line()

@@ -68,6 +68,8 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
         counts = batch["request_counts"]
         with JobProgress(total=counts["total"], done=counts["completed"] + counts["failed"],
                          enabled=not as_json, label=batch["id"]) as bar:
+            if not as_json:  # tokens/s and ETA as `status` shows them, from the runner's heartbeats
+                bar.follow(lambda: backend.get(batch["id"]))
             run_job(job_id=int(batch["id"].removeprefix("batch_")), runner=runner, on_progress=bar.advance)
         batch = backend.get(batch["id"])
     if errors_in_output:

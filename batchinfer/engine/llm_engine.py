@@ -282,6 +282,13 @@ class Engine:
         """Requests queued or running."""
         return len(self._requests)
 
+    def request_progress(self, request_id: str) -> tuple[int, int] | None:
+        """(tokens generated so far, the most it may generate) over an unfinished request's n sequences."""
+        group = self._requests.get(request_id)
+        if group is None:
+            return None
+        return sum(seq.num_output_tokens for seq in group.seqs), sum(seq.max_tokens for seq in group.seqs)
+
     # --- the loop ------------------------------------------------------------------------------------
 
     def step(self, *, include_unfinished: bool = False) -> list[RequestOutput]:

@@ -197,6 +197,12 @@ class Shard(Base):
     lease_token: Mapped[str | None] = mapped_column(String(64))
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     last_error: Mapped[str | None] = mapped_column(Text)
+    # The lease holder's last heartbeat report (0 when no lease): its generation requests still in the
+    # engine, the tokens they generated so far (not yet written: written ones are in Job.completion_tokens)
+    # and the most they may generate in all (n x max_tokens each). Honest progress: store.progress.
+    inflight_requests: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    inflight_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    inflight_budget: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # first claim

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from sqlalchemy.orm import Session
 
 from batchinfer.store.models import JOB_TERMINAL_STATUSES, File, Job, JobStatus
+from batchinfer.store.progress import InflightReport, estimate, inflight_by_job
 from batchinfer.store.timeline import first_claim, job_end
 from batchinfer.store.workers import served_models
 
@@ -86,50 +87,49 @@ def waiting_note(job: Job, served_models: Collection[str]) -> str | None:
             f"completion_window ({job.completion_window})")
 
 
-def estimate_eta_seconds(*, done: int, remaining: int, elapsed_s: float) -> float | None:
-    """Seconds left at the throughput measured so far (`done` requests in `elapsed_s`).
-
-    None until the first requests finished: before that there is no throughput to measure.
-    """
-    if done <= 0 or elapsed_s <= 0:
-        return None
-    return round(elapsed_s * max(remaining, 0) / done, 1)
-
-
-def _progress(job: Job, now: datetime, note: str | None, started_at: datetime | None) -> dict[str, Any]:
-    """Fraction done, and the throughput measured from the first claim (`started_at`) on.
+def _progress(job: Job, now: datetime, note: str | None, started_at: datetime | None,
+              inflight: InflightReport | None) -> dict[str, Any]:
+    """Fraction done, and the throughput and ETA measured in tokens from the first claim on (store.progress).
 
     The time a job waited for a worker or a model load is no throughput, so the clock starts at the first
-    claim (falling back to in_progress_at when unknown), and requests that failed at ingest
-    (`num_errors`) are not work done by a worker.
+    claim (falling back to in_progress_at when unknown); tokens count those of finished requests and those
+    the workers' in-flight requests generated so far (`inflight`, their last heartbeats); requests that
+    failed at ingest (`num_errors`) are not work done by a worker. A batch that ended with no request
+    (failed at validation: 0/0) is 0 done, not a full bar; a completed one is.
     """
     done = job.completed_requests + job.failed_requests
     total = job.total_requests
-    fraction = min(1.0, done / total) if total else (1.0 if job.status in JOB_TERMINAL_STATUSES else 0.0)
-    tokens_per_second = requests_per_second = eta_seconds = None
+    fraction = min(1.0, done / total) if total else (1.0 if job.status == JobStatus.COMPLETED else 0.0)
+    requests_per_second = input_tokens_per_second = None
     start = started_at or job.in_progress_at
+    elapsed = None
+    run_done = max(done - (job.num_errors or 0), 0)
     if start is not None:
         elapsed = max(((job_end(job) or now) - start).total_seconds(), 1e-6)
-        run_done = max(done - (job.num_errors or 0), 0)
-        tokens_per_second = round(job.completion_tokens / elapsed, 2)
         requests_per_second = round(run_done / elapsed, 3)
-        if job.status == JobStatus.IN_PROGRESS and done < total:
-            eta_seconds = estimate_eta_seconds(done=run_done, remaining=total - done, elapsed_s=elapsed)
-    progress: dict[str, Any] = {"fraction": round(fraction, 4), "tokens_per_second": tokens_per_second,
-                                "requests_per_second": requests_per_second, "eta_seconds": eta_seconds,
-                                "started_at": epoch(started_at)}
+        input_tokens_per_second = round(job.prompt_tokens / elapsed, 2)  # embeddings: tokens embedded
+    measured = estimate(total=total, done=done, worker_done=run_done, finished_tokens=job.completion_tokens,
+                        inflight=inflight or InflightReport(), elapsed_s=elapsed,
+                        running=job.status == JobStatus.IN_PROGRESS)
+    progress: dict[str, Any] = {
+        "fraction": round(fraction, 4), "tokens_per_second": measured.tokens_per_second,
+        "requests_per_second": requests_per_second, "eta_seconds": measured.eta_seconds,
+        "started_at": epoch(started_at), "generated_tokens": measured.generated_tokens,
+        "remaining_tokens": measured.remaining_tokens, "input_tokens_per_second": input_tokens_per_second}
     if note is not None:
         progress["note"] = note
     return progress
 
 
 def batch_object(job: Job, *, now: datetime | None = None, served_models: Collection[str] | None = None,
-                 started_at: datetime | None = None) -> dict[str, Any]:
+                 started_at: datetime | None = None,
+                 inflight: InflightReport | None = None) -> dict[str, Any]:
     """The OpenAI Batch object of a job, plus the `progress` extension (ignored by OpenAI clients).
 
     With `served_models` (store.workers.served_models) a job no live worker can run says so in
     `progress.note`; with `started_at` (store.timeline.first_claim) throughput and ETA are measured
-    from the first claim, not from in_progress_at.
+    from the first claim, not from in_progress_at; with `inflight` (store.progress.inflight_by_job) they
+    count the tokens in-flight requests generated so far.
     """
     now = now or datetime.now(UTC)
     errors = None
@@ -176,16 +176,20 @@ def batch_object(job: Job, *, now: datetime | None = None, served_models: Collec
             "total_tokens": job.prompt_tokens + job.completion_tokens,
         },
         "progress": _progress(job, now, waiting_note(job, served_models) if served_models is not None
-                              else None, started_at),
+                              else None, started_at, inflight),
     }
 
 
 def current_batch_object(session: Session, job: Job) -> dict[str, Any]:
     """batch_object plus what only the database can tell now: `progress.note` when no live worker serves
     an in-progress job's model (one small read of the workers table, only for in-progress jobs), and the
-    first claim of its shards, where throughput and ETA are measured from (one indexed MIN)."""
-    served = served_models(session) if job.status == JobStatus.IN_PROGRESS else None
-    return batch_object(job, served_models=served, started_at=first_claim(session, job_id=job.id))
+    first claim of its shards, where throughput and ETA are measured from (one indexed MIN), and what its
+    running shards generated so far (one indexed SUM)."""
+    running = job.status == JobStatus.IN_PROGRESS
+    served = served_models(session) if running else None
+    inflight = inflight_by_job(session, job_ids=[job.id]).get(job.id) if running else None
+    return batch_object(job, served_models=served, started_at=first_claim(session, job_id=job.id),
+                        inflight=inflight)
 
 
 def file_object(file: File) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from batchinfer.store.db import end_transaction, is_sqlite, single_flight, write
 from batchinfer.store.errors import LeaseLost
 from batchinfer.store.ingest_lease import fail_lost_ingests
 from batchinfer.store.models import Job, JobStatus, Request, RequestStatus, Shard, ShardStatus, utcnow
+from batchinfer.store.progress import InflightReport
 from batchinfer.store.results import apply_results
 from batchinfer.store.transitions import finalize_if_done, lock_job, lock_shard
 
@@ -107,17 +108,21 @@ def claim_shard(session: Session, *, worker_id: str, lease_seconds: float, model
 
 
 def heartbeat(session: Session, *, shard_id: int, lease_token: str, lease_seconds: float,
-              now: datetime | None = None) -> bool:
-    """Extend the lease. False means stop working on the shard: the lease is lost, or the job is no longer
+              now: datetime | None = None, inflight: InflightReport | None = None) -> bool:
+    """Extend the lease, and record what the shard's in-flight requests generated so far (`inflight`, for
+    store.progress). False means stop working on the shard: the lease is lost, or the job is no longer
     in progress (cancelled, expired); abort its in-flight requests and call release_shard."""
     now = now or utcnow()
-    expires = now + timedelta(seconds=lease_seconds)
+    values: dict[str, Any] = {"lease_expires_at": now + timedelta(seconds=lease_seconds)}
+    if inflight is not None:
+        values.update(inflight_requests=inflight.requests, inflight_tokens=inflight.tokens,
+                      inflight_budget=inflight.budget)
     active_jobs = select(Job.id).where(Job.status == JobStatus.IN_PROGRESS)
     with write_transaction(session):
         result = session.execute(
             update(Shard).where(Shard.id == shard_id, Shard.lease_token == lease_token,
                                 Shard.status == ShardStatus.RUNNING, Shard.job_id.in_(active_jobs))
-            .values(lease_expires_at=expires).execution_options(synchronize_session=False))
+            .values(**values).execution_options(synchronize_session=False))
     return result.rowcount == 1
 
 
@@ -158,7 +163,21 @@ def write_results(session: Session, *, shard_id: int, lease_token: str, results:
     with write_transaction(session):
         shard = lock_shard(session, shard_id, lease_token=lease_token)
         job = lock_job(session, shard.job_id)
+        _move_out_of_flight(shard, results)
         return apply_results(session, job=job, results=results, shard=shard, now=now)
+
+
+def _move_out_of_flight(shard: Shard, results: list[dict[str, Any]]) -> None:
+    """Written generations leave the in-flight report (their tokens now count in the job's), until the
+    worker's next heartbeat reports afresh: so no token is counted twice meanwhile."""
+    written = [result for result in results if "choices" in result]
+    if not written or not shard.inflight_requests:
+        return
+    share = shard.inflight_budget // shard.inflight_requests
+    shard.inflight_requests = max(shard.inflight_requests - len(written), 0)
+    tokens = sum(result.get("completion_tokens", 0) for result in written)
+    shard.inflight_tokens = max(shard.inflight_tokens - tokens, 0)
+    shard.inflight_budget = max(shard.inflight_budget - share * len(written), shard.inflight_tokens)
 
 
 def _error_pending(session: Session, shard: Shard, job: Job, code: str, message: str, now: datetime) -> int:
@@ -192,6 +211,7 @@ def complete_shard(session: Session, *, shard_id: int, lease_token: str, now: da
         else:
             shard.status, shard.cancelled_at = ShardStatus.CANCELLED, now
         shard.lease_token = None
+        shard.inflight_requests = shard.inflight_tokens = shard.inflight_budget = 0
         finalize_if_done(session, job=job, now=now)
         return job.status
 
@@ -231,6 +251,7 @@ def _retire(session: Session, shard: Shard, job: Job, *, code: str, message: str
             now: datetime) -> None:
     """End a lease: shard -> available (attempts left), failed (pending errored) or cancelled (job over)."""
     shard.lease_token, shard.lease_expires_at = None, None
+    shard.inflight_requests = shard.inflight_tokens = shard.inflight_budget = 0  # aborted: generated again
     if job.status != JobStatus.IN_PROGRESS:
         shard.status, shard.cancelled_at = ShardStatus.CANCELLED, now
     elif retry and shard.attempt < shard.max_attempts:

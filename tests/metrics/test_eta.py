@@ -1,15 +1,19 @@
-"""ETA from measured throughput: from the first finished requests on, clocked from the first shard claim.
+"""ETA from measured throughput in tokens, clocked from the first shard claim (store.progress).
 
-The batch object's `progress` carries it over REST; `submit --wait` without a terminal prints it in a
-one-line update every --update-interval seconds; `run` measures it locally the same way.
+Tokens count finished requests and in-flight ones (the workers' shard heartbeats), and what is left comes
+from the requests' max_tokens budgets scaled by the share finished requests used. The batch object's
+`progress` carries it over REST; `submit --wait` without a terminal prints it in a one-line update every
+--update-interval seconds; `run` follows the same figures from its database.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import orjson
 import pytest
 from click.testing import CliRunner
 from fastapi.testclient import TestClient
@@ -23,7 +27,8 @@ from batchinfer.store.apikeys import create_key
 from batchinfer.store.db import session_factory, upgrade
 from batchinfer.store.jobs import submit_job
 from batchinfer.store.models import Job, JobStatus
-from batchinfer.store.serialize import batch_object, estimate_eta_seconds
+from batchinfer.store.progress import InflightReport, estimate
+from batchinfer.store.serialize import batch_object
 from batchinfer.store.shards import claim_shard, pending_requests, write_results
 from tests.api.helpers import FixedOutputWorker
 from tests.workers.helpers import write_requests
@@ -62,8 +67,35 @@ def test_no_eta_before_the_first_finished_request_and_ingest_errors_are_not_thro
     assert batch_object(only_bad_lines, now=NOW, started_at=started)["progress"]["eta_seconds"] is None
     finished = _job(status=JobStatus.COMPLETED, completed_requests=100, completed_at=NOW)
     assert batch_object(finished, now=NOW, started_at=started)["progress"]["eta_seconds"] is None
-    assert estimate_eta_seconds(done=0, remaining=5, elapsed_s=3.0) is None
-    assert estimate_eta_seconds(done=5, remaining=0, elapsed_s=3.0) == 0.0
+    nothing = InflightReport()
+    assert estimate(total=5, done=0, worker_done=0, finished_tokens=0, inflight=nothing, elapsed_s=3.0,
+                    running=True).eta_seconds is None
+    assert estimate(total=5, done=5, worker_done=5, finished_tokens=50, inflight=nothing, elapsed_s=3.0,
+                    running=True).remaining_tokens == 0
+
+
+def test_in_flight_tokens_give_an_eta_before_any_request_finished() -> None:
+    # Issue 29 item 5: 30 requests side by side finish together at the end; counting finished requests
+    # only gave 0 tok/s and no ETA for most of the run. 10 s in, each generated 32 of its 64 tokens.
+    job = _job(total_requests=30)
+    inflight = InflightReport(requests=30, tokens=30 * 32, budget=30 * 64)
+    started = NOW - timedelta(seconds=10)
+    progress = batch_object(job, now=NOW, started_at=started, inflight=inflight)["progress"]
+    assert progress["generated_tokens"] == 960 and progress["tokens_per_second"] == 96.0
+    assert progress["remaining_tokens"] == 960 and progress["eta_seconds"] == 10.0
+    # Without the in-flight report it would know nothing yet.
+    assert batch_object(job, now=NOW, started_at=started)["progress"]["eta_seconds"] is None
+
+
+def test_finished_requests_say_how_much_of_their_budget_the_rest_will_use() -> None:
+    # Finished requests used 20 of their 100-token budgets (they stopped at EOS): the 10 in flight (10
+    # tokens each so far) and the 10 unclaimed are expected to use a fifth of their budgets too.
+    measured = estimate(total=30, done=10, worker_done=10, finished_tokens=200,
+                        inflight=InflightReport(requests=10, tokens=100, budget=1000), elapsed_s=10.0,
+                        running=True)
+    assert measured.generated_tokens == 300 and measured.tokens_per_second == 30.0
+    assert measured.remaining_tokens == round(900 * 0.2 + 10 * 100 * 0.2)  # 380
+    assert measured.eta_seconds == pytest.approx(380 / 30, abs=0.1)
 
 
 def test_rest_batch_progress_carries_the_eta_once_requests_finished(tmp_path: Path, sqlite_url: str) -> None:
@@ -111,20 +143,75 @@ def test_submit_wait_without_a_terminal_prints_periodic_lines(tmp_path: Path,
     assert len(lines) >= 3, result.stderr  # ~2.4 s of work, a line every 0.5 s, and the last one
     pattern = re.compile(r"batch_\d+ (in_progress|finalizing|completed): \d+/24 requests \(\d+\.\d%\), "
                          r"[\d,.]+ tok/s, elapsed \d+:\d\d:\d\d, "
-                         r"ETA (\d+:\d\d:\d\d|unknown until requests finish)")
+                         r"ETA (\d+:\d\d:\d\d|unknown until tokens are generated)")
     assert all(pattern.fullmatch(line) for line in lines), lines
     assert any(re.search(r"ETA \d+:\d\d:\d\d$", line) for line in lines[:-1]), lines  # measured mid-run
     assert lines[-1].startswith("batch_1 completed: 24/24") and lines[-1].endswith("ETA 0:00:00"), lines[-1]
     assert "\x1b[" not in result.stderr  # no bar redraws in a log file
 
 
-def test_local_progress_measures_its_own_eta() -> None:
+def test_local_progress_shows_the_measured_figures_and_follows_them() -> None:
     console = Console(file=open("/dev/null", "w"), force_terminal=False)  # noqa: SIM115 - closed with it
+    batch = batch_object(_job(total_requests=10), now=NOW, started_at=NOW - timedelta(seconds=10),
+                         inflight=InflightReport(requests=10, tokens=100, budget=200))
     with JobProgress(total=10, console=console, interval_s=3600, label="batch_9") as bar:
         assert bar.eta_seconds is None
-        bar._started -= 4.0  # four seconds in, two requests done: 8 left at 0.5/s
-        bar.advance(2, 40)
-        assert bar.eta_seconds == pytest.approx(16.0, abs=0.1)
-        assert bar.line().startswith("batch_9 running: 2/10 requests (20.0%), 10.0 tok/s")
-        assert bar.line().endswith("ETA 0:00:16")
+        bar.advance(2, 40)  # finished requests count at once
+        assert bar.done == 2
+        fetched = []
+        bar.follow(lambda: fetched.append(1) or batch, interval_s=0.01)
+        deadline = time.monotonic() + 10
+        while not fetched and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fetched
+        bar.show(batch)
+        assert bar.eta_seconds == 10.0 and bar.done == 2  # the database may lag the runner's own count
+        assert bar.line().startswith("batch_9 in_progress: 2/10 requests (20.0%), 10.0 tok/s")
+        assert bar.line().endswith("ETA 0:00:10")
     console.file.close()
+
+
+@pytest.mark.integration  # the tiny model in a worker thread, a SQLite database
+def test_a_running_worker_reports_its_in_flight_tokens_before_any_request_finished(
+        tmp_path: Path, sqlite_url: str, tiny_llama: Path) -> None:
+    import threading
+
+    from batchinfer.store.jobs import get_job
+    from batchinfer.store.serialize import current_batch_object
+    from workers.process import make_runner, run_job
+
+    upgrade(sqlite_url)
+    settings = Settings(database_url=sqlite_url, data_dir=tmp_path / "data", lease_seconds=1.5, shard_size=16)
+    with (tmp_path / "in.jsonl").open("w") as out:
+        for i in range(32):  # all run side by side and finish together: nothing finishes for seconds
+            body = {"prompt": f"count {i}", "max_tokens": 480, "ignore_eos": True}
+            line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}
+            out.write(orjson.dumps(line).decode() + "\n")
+    sessions = session_factory(sqlite_url)
+    with sessions() as session:
+        job = submit_job(session, settings=settings, path=tmp_path / "in.jsonl", model=str(tiny_llama),
+                         owner="t")
+    runner = make_runner(model=str(tiny_llama), settings=settings, device="cpu", max_num_seqs=32,
+                         kv_cache_memory_bytes=32 << 20)
+    stop = threading.Event()
+    worker = threading.Thread(target=run_job, kwargs={"job_id": job.id, "runner": runner, "stop": stop})
+    worker.start()
+    seen = None
+    try:
+        deadline = time.monotonic() + 120
+        while worker.is_alive() and time.monotonic() < deadline:
+            with sessions() as session:
+                batch = current_batch_object(session, get_job(session, job_id=job.id))
+            progress = batch["progress"]
+            if batch["request_counts"]["completed"] == 0 and progress["generated_tokens"]:
+                seen = progress
+                break
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+        runner.engine.close()
+    assert seen is not None, "no in-flight tokens were reported before the first request finished"
+    assert seen["tokens_per_second"] > 0 and seen["eta_seconds"] is not None
+    assert 0 < seen["generated_tokens"] < 32 * 480
+    assert seen["remaining_tokens"] == 32 * 480 - seen["generated_tokens"]  # budgets, nothing finished yet

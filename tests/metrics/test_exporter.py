@@ -60,3 +60,18 @@ def test_heartbeat_reports_the_tokens_per_second_of_the_last_window() -> None:
     labels = {"model_name": "m", "engine": "0"}
     assert registry.get_sample_value("batchinfer:worker_results_written_total", labels) == 3
     assert registry.get_sample_value("batchinfer:worker_result_write_seconds_count", labels) == 1
+
+
+def test_an_idle_workers_next_heartbeat_reports_zero_not_its_last_busy_rate() -> None:
+    # Issue 29 item 5: a Celery worker idle after a job heartbeats every 15 s; its first idle heartbeat
+    # showed the last busy seconds spread over the window (17.7 tok/s) instead of 0.
+    tokens = [0]
+    metrics = WorkerMetrics(model_name="m", engine="0", generated_tokens=lambda: tokens[0],
+                            registry=CollectorRegistry())
+    start = metrics._samples[0][0]
+    for second in range(1, 6):  # busy: 100 tokens a second, sampled at each write
+        tokens[0] += 100
+        metrics.tokens_per_second(now=start + second)
+    assert metrics.heartbeat_info(now=start + 5)["tokens_per_second"] == 100.0
+    assert metrics.heartbeat_info()["generated_at"] is not None
+    assert metrics.heartbeat_info(now=start + 20)["tokens_per_second"] == 0.0  # 15 s later, nothing new

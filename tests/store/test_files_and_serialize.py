@@ -100,9 +100,10 @@ def test_batch_object_matches_openai_and_reports_progress():
                               "output_tokens": 50, "output_tokens_details": {"reasoning_tokens": 0},
                               "total_tokens": 150}
     assert batch["output_file_id"] is None and batch["error_file_id"] is None  # not finished yet
-    # 5 of 10 done in 10 s: 5 more take about 10 s; 50 tokens in 10 s.
+    # 5 of 10 done in 10 s, 10 tokens each: 5 more are ~50 tokens, ~10 s at 5 tokens/s.
     assert batch["progress"] == {"fraction": 0.5, "tokens_per_second": 5.0, "requests_per_second": 0.5,
-                                 "eta_seconds": 10.0, "started_at": None}
+                                 "eta_seconds": 10.0, "started_at": None, "generated_tokens": 50,
+                                 "remaining_tokens": 50, "input_tokens_per_second": 10.0}
 
 
 def test_result_files_are_offered_once_the_job_is_done():
@@ -114,7 +115,10 @@ def test_result_files_are_offered_once_the_job_is_done():
     assert output_file_id(all_ok) == "file-out-3" and error_file_id(all_ok) is None
     all_failed = _job(status=JobStatus.FAILED, completed_requests=0, failed_requests=0, total_requests=0)
     assert output_file_id(all_failed) is None and error_file_id(all_failed) is None
-    assert batch_object(all_failed)["progress"]["fraction"] == 1.0
+    # Issue 29 item 5: a batch that failed with no request is not a full bar; an empty completed one is.
+    assert batch_object(all_failed)["progress"]["fraction"] == 0.0
+    empty = _job(status=JobStatus.COMPLETED, completed_requests=0, failed_requests=0, total_requests=0)
+    assert batch_object(empty)["progress"]["fraction"] == 1.0
 
 
 def test_file_object_shape():
