@@ -267,12 +267,28 @@ def _confined(target: str, settings: Settings) -> Path:
     return Path(target)
 
 
+def new_file_mode() -> int:
+    """The mode open() gives a new file: 0o666 less the process umask (read without changing it on Linux,
+    where another thread may be creating files meanwhile)."""
+    try:
+        with open("/proc/self/status") as status:
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_atomically(path: Path, lines: Iterable[bytes]) -> int:
-    """Write lines to a temp file beside `path`, fsync, then rename: readers see all of it or nothing."""
+    """Write lines to a temp file beside `path`, fsync, then rename: readers see all of it or nothing.
+
+    The file gets an ordinary file's mode (new_file_mode), not the temp file's private 0600.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     count = 0
     try:
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as out:
             for line in lines:
                 out.write(line)

@@ -166,6 +166,13 @@ def run_job(*, job_id: int, runner: ShardRunner, on_progress: ProgressCallback |
     return runner.work(job_id=job_id, on_progress=on_progress, stop=stop)
 
 
+def retire_runner(runner: ShardRunner) -> None:
+    """Record the runner's worker as stopped (`batchinfer run` once its job is done): `workers` and the
+    dashboard stop listing it at once, not a heartbeat's lifetime later."""
+    with runner.sessions() as session:
+        worker_store.deregister_worker(session, worker_id=runner.worker_id)
+
+
 def poll_forever(runner: ShardRunner, *, stop: threading.Event, max_backoff_s: float = 5.0) -> None:
     """The broker-less worker: claim available shards from the database, backing off while idle.
 

@@ -7,6 +7,7 @@ file behind: the destination keeps what it had.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,18 @@ def write_lines(lines: Iterator[bytes], path: Path | None) -> int:
             tmp.unlink()
         raise
     return count
+
+
+def write_error_lines(lines: Iterator[bytes], path: Path) -> int:
+    """Write error lines to `path` only when there are some (OpenAI makes no error file when no request
+    failed); a file already at `path` is emptied rather than left holding an earlier run's errors."""
+    lines = iter(lines)
+    first = next(lines, None)
+    if first is None:
+        if path.exists():
+            write_lines(iter(()), path)
+        return 0
+    return write_lines(itertools.chain([first], lines), path)
 
 
 def default_errors_path(output: Path) -> Path:

@@ -16,7 +16,7 @@ import orjson
 from batchinfer.cli.jobs import _metadata, _print_batch, _with_submit_options, exit_code_for
 from batchinfer.cli.output import dumps, fail, input_file, json_option
 from batchinfer.cli.progress import JobProgress
-from batchinfer.cli.result_files import default_errors_path, write_lines
+from batchinfer.cli.result_files import default_errors_path, write_error_lines, write_lines
 
 
 @click.command()
@@ -40,7 +40,7 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
     """Run a JSONL file end to end in this process: submit, infer, export (no broker needed)."""
     from batchinfer.cli.backend import BackendError, LocalBackend
     from batchinfer.cli.context import cli_settings
-    from workers.process import make_runner, run_job
+    from workers.process import make_runner, retire_runner, run_job
 
     if file is not None and input_path is not None and file != input_path:
         fail(f"two input files given ({file} and -i {input_path}): give one")
@@ -70,14 +70,18 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
                          enabled=not as_json, label=batch["id"]) as bar:
             if not as_json:  # tokens/s and ETA as `status` shows them, from the runner's heartbeats
                 bar.follow(lambda: backend.get(batch["id"]))
-            run_job(job_id=int(batch["id"].removeprefix("batch_")), runner=runner, on_progress=bar.advance)
+            try:
+                run_job(job_id=int(batch["id"].removeprefix("batch_")), runner=runner,
+                        on_progress=bar.advance)
+            finally:  # no longer a live worker once its job is done (`workers`, the dashboard)
+                retire_runner(runner)
         batch = backend.get(batch["id"])
     if errors_in_output:
         written, failed, errors = write_lines(backend.results(batch["id"], "all"), output), 0, None
     else:
         errors = errors or default_errors_path(output)
         written = write_lines(backend.results(batch["id"], "output"), output)
-        failed = write_lines(backend.results(batch["id"], "errors"), errors)
+        failed = write_error_lines(backend.results(batch["id"], "errors"), errors)  # none: no file
     if as_json:
         click.echo(dumps(batch))
     else:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import http.server
+import os
+import stat
 import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -16,7 +18,7 @@ from batchinfer.store.db import session_factory, upgrade
 from batchinfer.store.models import Job, ScheduleRun, WebhookDelivery
 from batchinfer.store.schedules import ScheduleError, add_schedule
 from tests.workers.helpers import read_lines, write_requests
-from workers.cron import tick, write_atomically
+from workers.cron import new_file_mode, tick, write_atomically
 from workers.process import make_runner, run_job
 from workers.webhooks import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
 
@@ -223,6 +225,18 @@ def test_output_files_appear_complete_or_not_at_all(tmp_path: Path) -> None:
     assert not target.exists() and not list(target.parent.iterdir())
     assert write_atomically(target, (b"%d\n" % i for i in range(1000))) == 1000
     assert target.read_bytes().count(b"\n") == 1000
+
+
+def test_output_files_get_an_ordinary_files_mode_not_0600(tmp_path: Path) -> None:
+    previous = os.umask(0o027)
+    try:
+        assert new_file_mode() == 0o640
+        write_atomically(tmp_path / "r.jsonl", [b"{}\n"])
+        (tmp_path / "plain").write_bytes(b"")  # what any other new file gets
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "r.jsonl").stat().st_mode) == 0o640
+    assert stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o640
 
 
 def test_invalid_schedule_names_the_field(sqlite_url: str, tmp_path: Path) -> None:
