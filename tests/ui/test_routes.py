@@ -5,6 +5,7 @@ These run wherever the browser tests skip (no Chromium), on a real app and SQLit
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -97,3 +98,65 @@ def test_the_chart_shows_tokens_per_second_from_the_first_claim(setup: tuple, tm
     assert sum(rate * width for rate, width in zip(data["tokens_per_second"][1:], widths, strict=True)) == (
         pytest.approx(240, rel=0.02))
     assert client.get("/ui/batches/batch_999/timeline").status_code == 404
+
+
+def test_the_batch_page_reads_honestly(setup: tuple, tmp_path: Path) -> None:
+    # Issue 29 item 5: a failed 0/0 batch is no full bar; the tiles say which figure is an average; the
+    # generated tokens count running requests; an embeddings batch shows input tokens/s, not 0.0 tok/s.
+    from batchinfer.store.progress import InflightReport
+    from batchinfer.store.shards import heartbeat
+
+    client, settings, key, _ = setup
+    client.post("/ui/login", data={"api_key": key})
+    sessions = session_factory(settings.effective_database_url)
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    write_requests(tmp_path / "in.jsonl", 4)
+    with (tmp_path / "embed.jsonl").open("w") as out:
+        for i in range(4):
+            out.write(f'{{"custom_id": "e{i}", "method": "POST", "url": "/v1/embeddings", '
+                      f'"body": {{"model": "m", "input": "text {i}"}}}}\n')
+    with sessions() as session:
+        failed = submit_job(session, settings=settings, path=tmp_path / "bad.jsonl", model="m", owner="alice")
+        running = submit_job(session, settings=settings, path=tmp_path / "in.jsonl", model="m", owner="alice")
+        lease = claim_shard(session, worker_id="w", model="m", lease_seconds=600, shard_id=None,
+                            now=utcnow() - timedelta(seconds=10))
+        assert lease is not None and lease.job_id == running.id
+        assert heartbeat(session, shard_id=lease.shard_id, lease_token=lease.lease_token, lease_seconds=600,
+                         inflight=InflightReport(requests=4, tokens=120, budget=400))
+        embeds = submit_job(session, settings=settings, path=tmp_path / "embed.jsonl", model="m",
+                            owner="alice")
+        lease = claim_shard(session, worker_id="w", model="m", lease_seconds=600,
+                            now=utcnow() - timedelta(seconds=10))
+        assert lease is not None and lease.job_id == embeds.id
+        write_results(session, shard_id=lease.shard_id, lease_token=lease.lease_token, results=[
+            {"request_id": r.request_id, "embeddings": [[0.5, 0.5]], "prompt_tokens": 25,
+             "completion_tokens": 0, "cached_tokens": 0}
+            for r in pending_requests(session, shard_id=lease.shard_id)])
+    assert failed.status == "failed" and failed.total_requests == 0
+    page = client.get(f"/ui/batches/batch_{failed.id}").text
+    assert re.search(r'<progress class="big" max="100" value="0(\.0)?">', page), "a failed 0/0 is no full bar"
+    status = client.get(f"/ui/batches/batch_{running.id}/status", headers=HTMX).text
+    assert "Tokens/s <small>average</small>" in status
+    assert re.search(r'id="generated">120<', status)  # running requests' tokens, before any finished
+    assert re.search(r'id="eta">0:\d\d<', status)  # 280 tokens left at ~12 tok/s
+    status = client.get(f"/ui/batches/batch_{embeds.id}/status", headers=HTMX).text
+    assert "Input tokens/s <small>average</small>" in status
+    rate = float(re.search(r'id="rate">([\d.]+)<', status).group(1))
+    assert rate == pytest.approx(100 / 10, rel=0.3)  # 4 inputs x 25 tokens embedded in ~10 s
+
+
+def test_an_idle_workers_rate_is_zero_whatever_its_last_busy_heartbeat_said(setup: tuple) -> None:
+    from batchinfer.store.workers import register_worker
+
+    client, settings, key, _ = setup
+    client.post("/ui/login", data={"api_key": key})
+    now = utcnow().timestamp()
+    with session_factory(settings.effective_database_url)() as session:
+        register_worker(session, worker_id="busy", model="m",
+                        info={"tokens_per_second": 42.5, "generated_at": now - 1})
+        register_worker(session, worker_id="idle", model="m",  # heartbeats, generates nothing for 60 s
+                        info={"tokens_per_second": 17.7, "generated_at": now - 60})
+    table = client.get("/ui/workers", headers=HTMX).text
+    assert "Tokens/s <small>now</small>" in table
+    rows = dict(re.findall(r'data-worker="(\w+)">.*?<td class="num">([\d.]+)</td>', table, re.S))
+    assert rows == {"busy": "42.5", "idle": "0.0"}

@@ -24,8 +24,9 @@ from batchinfer.store.workers import list_workers, served_models
 
 JOBS_ON_PAGE = 50
 ERRORS_PREVIEW = 10
-# A heartbeat older than this says the worker is not generating now (a busy worker beats every 10 s).
-THROUGHPUT_FRESH_S = 30.0
+# A heartbeat, or a last generated token, older than this says the worker is not generating now (a busy
+# worker beats every 10 s).
+THROUGHPUT_FRESH_S = 15.0
 
 _TONES = {
     JobStatus.COMPLETED: "ok", JobStatus.IN_PROGRESS: "busy", JobStatus.FINALIZING: "busy",
@@ -60,7 +61,13 @@ def _row(batch: dict[str, Any]) -> dict[str, Any]:
     """A batch object plus what a table row shows."""
     counts, progress = batch["request_counts"], batch.get("progress") or {}
     done = counts["completed"] + counts["failed"]
-    return {**batch, "done": done, "percent": round(100.0 * (progress.get("fraction") or 0.0), 1),
+    usage = batch.get("usage") or {}
+    # An embeddings batch generates nothing: its throughput is the input tokens it embedded.
+    embeds = not usage.get("output_tokens") and bool(usage.get("input_tokens"))
+    rate = progress.get("input_tokens_per_second" if embeds else "tokens_per_second") or 0.0
+    return {**batch, "done": done, "rate": rate, "rate_unit": "input tok/s" if embeds else "tok/s",
+            "generated": progress.get("generated_tokens") or usage.get("output_tokens") or 0,
+            "percent": round(100.0 * (progress.get("fraction") or 0.0), 1),
             "model_name": model_label(batch["model"] or ""),
             "live": batch["status"] not in JOB_TERMINAL_STATUSES,
             "cancellable": batch["status"] in JOB_CANCELLABLE_STATUSES, "tone": tone(batch["status"]),
@@ -141,7 +148,11 @@ def workers_view(session: Session, *, now: datetime | None = None) -> list[dict[
     for worker in list_workers(session, now=now):
         info = worker.info or {}
         age = (now - worker.last_heartbeat_at).total_seconds()
-        rate = info.get("tokens_per_second") if age <= THROUGHPUT_FRESH_S else 0.0
+        generated_at = info.get("generated_at")
+        # An instantaneous figure: 0 once the worker generated nothing for a rate window (idle), whatever
+        # its last busy heartbeat said.
+        generating = generated_at is not None and now.timestamp() - generated_at <= THROUGHPUT_FRESH_S
+        rate = info.get("tokens_per_second") if age <= THROUGHPUT_FRESH_S and generating else 0.0
         rows.append({"id": worker.worker_id, "model": worker.model, "model_name": model_label(worker.model),
                      "process": f"{worker.hostname}:{worker.pid}", "shards": worker.shard_ids,
                      "tokens_per_second": rate or 0.0,
