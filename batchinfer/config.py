@@ -231,6 +231,8 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=1, le=65535)
     auth_disabled: bool = Field(False, description="Only honoured when api_host is a loopback address.")
+    api_access_log: bool = Field(
+        True, description="One line per request on stderr (time, client, request line, status); false: off.")
     api_shutdown_timeout_seconds: float = Field(
         30.0, gt=0, description="On SIGTERM the API waits this long for requests (uploads) to end, then "
         "cuts them off.")

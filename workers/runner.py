@@ -9,6 +9,10 @@ Ordering rules that keep "every custom_id exactly once" true (ARCHITECTURE.md, c
 - a result is written before its shard is completed; complete_shard errors whatever is still pending;
 - a shard whose lease is lost or whose job stopped is aborted in the engine and released, never completed;
 - after a crash nothing of ours is trusted: the rescuer returns the shard and only pending requests rerun.
+
+A long engine call never costs the held shards their leases: a LeaseKeeper thread (lease_keeper.py)
+extends them while the loop is inside one. Embedding lines run between steps, at most a step's token
+budget (max_num_batched_tokens, at least one input) per loop turn, so generation keeps moving beside them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,8 +34,10 @@ from batchinfer.store.errors import LeaseLost
 from batchinfer.store.models import JOB_TERMINAL_STATUSES, ShardStatus
 from batchinfer.store.result_files import record_result_sizes_in_background
 from batchinfer.store.shards import PendingRequest, ShardLease
+from workers.embedding_queue import EmbeddingQueue
+from workers.lease_keeper import LeaseKeeper
 from workers.metrics import WorkerMetrics, inflight_report
-from workers.result_rows import embedding_row, error_row, result_row
+from workers.result_rows import error_row, result_row
 
 if TYPE_CHECKING:
     from batchinfer.engine.llm_engine import Engine
@@ -97,20 +102,30 @@ class ShardRunner:
         self.max_shards_in_flight = max(2, max_shards_in_flight)
         self._flights: dict[int, _Flight] = {}
         self._submitted: dict[str, _Submitted] = {}
-        # Embedding requests (shard id, request), run one per loop turn so leases keep being checked.
-        self._embeddings: deque[tuple[int, PendingRequest]] = deque()
+        self._embeddings = EmbeddingQueue(engine, model)  # run between steps, within a step's budget
         self._last_flush = time.monotonic()
         self._next_claim_at = 0.0
         self._last_worker_beat = time.monotonic()
         self._check_interval = min(MAX_CHECK_INTERVAL_S, settings.lease_seconds / 3)
+        self._keeper = LeaseKeeper(sessions=sessions, worker_id=worker_id,
+                                   lease_seconds=settings.lease_seconds, interval_s=self._check_interval,
+                                   heartbeat_info=self.metrics.heartbeat_info)
 
     # --- the loop ------------------------------------------------------------------------------------
 
     def work(self, *, first_shard_id: int | None = None, job_id: int | None = None,
              stop: threading.Event | None = None, on_progress: ProgressCallback | None = None) -> RunStats:
         """Claim and run shards (only `job_id`'s when given) until none is left or `stop` is set."""
-        stats = RunStats()
         stop = stop or threading.Event()
+        self._keeper.start()
+        try:
+            return self._work(first_shard_id, job_id, stop, on_progress)
+        finally:
+            self._keeper.stop()
+
+    def _work(self, first_shard_id: int | None, job_id: int | None, stop: threading.Event,
+              on_progress: ProgressCallback | None) -> RunStats:
+        stats = RunStats()
         self._next_claim_at = 0.0
         if first_shard_id is not None:
             self._claim(shard_id=first_shard_id)
@@ -121,6 +136,7 @@ class ShardRunner:
                 self._release_all(stats)
             if not self._flights and (stop.is_set() or not self._top_up(job_id, force=True)):
                 break
+            self._keeper.publish([flight.lease for flight in self._flights.values()])
             try:
                 try:
                     outputs = self.engine.step() if self.engine.has_unfinished() else []
@@ -133,7 +149,7 @@ class ShardRunner:
                 logger.exception("a rank of the parallel engine failed; handing the shards back")
                 self.hand_back()
                 raise
-            self._run_one_embedding(stats)
+            self._run_embeddings(stats)
             tokens = 0
             for output in outputs:
                 tokens += self._collect(output, stats)
@@ -191,7 +207,7 @@ class ShardRunner:
         engine_id = str(request.request_id)
         if request.endpoint == "embeddings":  # a plain forward per input, outside the generation batch
             flight.outstanding.add(engine_id)
-            self._embeddings.append((flight.lease.shard_id, request))
+            self._embeddings.add(flight.lease.shard_id, request)
             return
         try:  # request.params was validated at ingest; the engine still checks it against this model
             prompt = self._prompt(request)
@@ -203,25 +219,16 @@ class ShardRunner:
         flight.outstanding.add(engine_id)
         self._submitted[engine_id] = _Submitted(flight.lease.shard_id, request, prompt, salt)
 
-    def _run_one_embedding(self, stats: RunStats) -> None:
-        while self._embeddings:
-            shard_id, request = self._embeddings.popleft()
-            flight, engine_id = self._flights.get(shard_id), str(request.request_id)
-            if flight is None or engine_id not in flight.outstanding:
-                continue  # its shard was released or dropped meanwhile
-            flight.buffered.append(self._embed(request))
-            flight.outstanding.discard(engine_id)
+    def _run_embeddings(self, stats: RunStats) -> None:
+        for done in self._embeddings.run(self._still_outstanding):
+            flight = self._flights[done.shard_id]
+            flight.buffered.append(done.row)
+            flight.outstanding.discard(done.engine_id)
             stats.requests_finished += 1
-            return
 
-    def _embed(self, request: PendingRequest) -> dict[str, Any]:
-        options = request.options or {}
-        try:
-            vectors, tokens = self.engine.embed(options["input"])
-        except (ValueError, TypeError) as exc:
-            return error_row(request, "invalid_request", str(exc))
-        return {**embedding_row(request, vectors, tokens, options.get("encoding_format", "float")),
-                "model": self.model}
+    def _still_outstanding(self, shard_id: int, engine_id: str) -> bool:
+        flight = self._flights.get(shard_id)
+        return flight is not None and engine_id in flight.outstanding
 
     def _cache_salt(self, lease: ShardLease) -> str | None:
         """The job owner salts the prefix cache (no cross-tenant hits, README "Security"), unless global."""

@@ -8,6 +8,7 @@ process exits. An ingest still running then is abandoned: its job fails when its
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -26,9 +27,11 @@ from batchinfer.cli.output import emit, json_option
               help="Serve without API keys (everything belongs to owner 'local'). Loopback hosts only.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option("--access-log/--no-access-log", default=None,
+              help="A line per request on stderr (default: settings.api_access_log, on).")
 @json_option("Print the start line as one JSON object on stdout (url, host, port, auth, pid).")
 def api(host: str | None, port: int | None, auth_disabled: bool | None, log_level: str,
-        as_json: bool) -> None:
+        access_log: bool | None, as_json: bool) -> None:
     """Serve /v1/files, /v1/batches, /metrics and /docs. Run `batchinfer worker` to execute the batches."""
     import uvicorn
 
@@ -42,6 +45,8 @@ def api(host: str | None, port: int | None, auth_disabled: bool | None, log_leve
         updates["api_port"] = port
     if auth_disabled:
         updates["auth_disabled"] = True
+    if access_log is not None:
+        updates["api_access_log"] = access_log
     settings = cli_settings(**updates)
     if settings.auth_disabled:
         if not is_loopback(settings.api_host):
@@ -60,9 +65,24 @@ def api(host: str | None, port: int | None, auth_disabled: bool | None, log_leve
     if not as_json:
         click.echo(f"batchinfer API on {url} (docs at /docs)", err=True)
     config = uvicorn.Config(app, host=settings.api_host, port=settings.api_port, log_level=log_level,
+                            access_log=settings.api_access_log, log_config=log_config(),
                             timeout_graceful_shutdown=settings.api_shutdown_timeout_seconds)
     uvicorn.Server(config).run()
     _exit_past_lingering_ingests()
+
+
+ACCESS_LOG_FORMAT = '%(asctime)s %(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s'
+
+
+def log_config() -> dict:
+    """uvicorn's logging, with the access log timestamped and on stderr (stdout stays the start line only,
+    pure JSON under --json)."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    config["formatters"]["access"]["fmt"] = ACCESS_LOG_FORMAT
+    return config
 
 
 def _exit_past_lingering_ingests() -> None:

@@ -6,7 +6,8 @@ only run the model. Every rank holds a slice of every weight and of the KV cache
 every step: rank 0 writes the step's flat int32 arrays into a SharedMemory buffer and sets one Event per
 worker (nano-vllm's ModelRunner design, minus the pickle). A worker has read the buffer before it joins
 the step's first collective, and rank 0 writes the next step only after the last collective of this one,
-so one buffer suffices.
+so one buffer suffices. An embeddings input travels the same way (CMD_EMBED, its token ids): every rank
+runs the pooling forward, whose all-reduces need them all.
 
 Under pipeline parallelism (pp_stage.py) each stage's ranks form a subgroup: use_tensor_parallel_group
 points the collectives at it, and the gathered logits land on the stage's first rank (the leader).
@@ -30,6 +31,7 @@ import torch.distributed as dist
 # Step channel commands (header word 0).
 CMD_STEP = 1
 CMD_EXIT = 2
+CMD_EMBED = 3  # one embeddings input: [cmd, 0, T, 0] then its T token ids
 _HEADER = 4  # cmd, num_seqs, num_tokens, num_block_ids
 # A collective that waits longer than this means a peer died mid-step: fail instead of hanging forever.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -187,20 +189,34 @@ class StepChannel:
         COMM_STATS.broadcast_s += time.perf_counter() - start
         COMM_STATS.broadcast_calls += 1
 
+    def send_embed(self, token_ids: list[int]) -> None:
+        """Rank 0: publish one embeddings input; every worker runs the pooling forward over it."""
+        total = _HEADER + len(token_ids)
+        if total > len(self.words):
+            raise ValueError(f"an input of {len(token_ids)} tokens needs {total} words; the step channel "
+                             f"holds {len(self.words)}")
+        self.words[:_HEADER] = (CMD_EMBED, 0, len(token_ids), 0)
+        self.words[_HEADER:total] = token_ids
+        for event in self.events:
+            event.set()
+
     def send_exit(self) -> None:
         """Rank 0: tell every worker to leave its loop."""
         self.words[0] = CMD_EXIT
         for event in self.events:
             event.set()
 
-    def receive(self, event: Any) -> tuple[list[tuple[Any, int]], list[int]] | None:
-        """Worker: wait for the next step; (stand-in sequence, num_new) list and logits counts, or None."""
+    def receive(self, event: Any) -> tuple[list[tuple[Any, int]], list[int]] | EmbedInput | None:
+        """Worker: wait for the next command: a step ((stand-in sequence, num_new) list and logits counts),
+        an embeddings input, or None (exit)."""
         event.wait()
         event.clear()
         w = self.words
         cmd, num_seqs, num_tokens, num_blocks = (int(x) for x in w[:_HEADER])
         if cmd == CMD_EXIT:
             return None
+        if cmd == CMD_EMBED:
+            return EmbedInput(w[_HEADER : _HEADER + num_tokens].tolist())
         offset = _HEADER
         meta = w[offset : offset + 4 * num_seqs].tolist()
         offset += 4 * num_seqs
@@ -225,6 +241,13 @@ class StepChannel:
         self.shm.close()
         if self.owner:
             self.shm.unlink()
+
+
+@dataclass
+class EmbedInput:
+    """One embeddings input a worker rank runs its share of the pooling forward over."""
+
+    token_ids: list[int]
 
 
 class _TokenWindow:

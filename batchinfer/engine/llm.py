@@ -1,22 +1,39 @@
-"""The offline API: LLM(model, **engine options).generate(prompts) / .chat(conversations).
+"""The offline API: LLM(model, **engine options).generate(prompts) / .chat(conversations) / .embed(texts).
 
-It runs an Engine to completion over a whole batch: prompts are admitted in a prefix-aware order (sorted
-by token ids, so prompts sharing a prefix reuse each other's KV blocks), outputs come back in input
-order, and a rich progress bar over finished requests is shown on request.
+vLLM's habits: a prompt is a string, token ids, or a dict ({"prompt": ...} / {"prompt_token_ids": ...});
+a tqdm progress bar over finished requests goes to stderr unless use_tqdm=False. It runs an Engine to
+completion over a whole batch: prompts are admitted in a prefix-aware order (sorted by token ids, so
+prompts sharing a prefix reuse each other's KV blocks), and outputs come back in input order.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypedDict
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.llm_engine import Engine
 from batchinfer.engine.lora.request import LoRARequest
-from batchinfer.engine.outputs import RequestOutput
+from batchinfer.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from batchinfer.engine.sampling_params import SamplingParams
+
+
+class TextPrompt(TypedDict):
+    """vLLM's text prompt: {"prompt": "..."}."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's token-id prompt: {"prompt_token_ids": [...]}."""
+
+    prompt_token_ids: list[int]
+
+
+PromptType = str | list[int] | TextPrompt | TokensPrompt
 
 
 class LLM:
@@ -48,37 +65,62 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | list[str] | list[list[int]],
+        prompts: PromptType | list[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         lora_request (enable_lora): the adapter of every prompt, or one per prompt (None: the base model).
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # a single prompt (text or token ids)
+        texts, token_ids = self._prompts(prompts)
+        outputs = self._run(token_ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text
+        return outputs
+
+    def embed(self, prompts: PromptType | list[PromptType], *, use_tqdm: bool = True
+              ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's mean-pooled, L2-normalised last hidden state, in input order (vLLM's LLM.embed)."""
+        _, token_ids = self._prompts(prompts)
+        outputs = []
+        with _progress(len(token_ids), enabled=use_tqdm, what="Embedding prompts") as advance:
+            for i, ids in enumerate(token_ids):
+                try:
+                    (vector,), _ = self.engine.embed([ids])
+                except ValueError as exc:
+                    raise ValueError(f"prompts[{i}]: {exc}") from None
+                request_id = f"embed-{next(self._ids)}"
+                outputs.append(EmbeddingRequestOutput(request_id, EmbeddingOutput(vector), ids))
+                advance()
+        return outputs
+
+    def _prompts(self, prompts: PromptType | list[PromptType]) -> tuple[list[str | None], list[list[int]]]:
+        """(each prompt's text or None, its token ids); ValueError naming prompts[i] and the field."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts
+                                              and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        if not isinstance(prompts, list | tuple):
+            raise ValueError(f"prompts: must be a prompt or a list of prompts; got {type(prompts).__name__}")
+        texts: list[str | None] = []
         token_ids = []
         for i, prompt in enumerate(prompts):
             try:
-                token_ids.append(self.engine.tokenize(prompt))
+                text, ids = _prompt_fields(prompt)
+                token_ids.append(self.engine.tokenize(text if ids is None else ids))
             except ValueError as exc:
                 raise ValueError(f"prompts[{i}]: {exc}") from None
-        outputs = self._run(token_ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
-        for output, prompt in zip(outputs, prompts, strict=True):
-            output.prompt = prompt if isinstance(prompt, str) else None
-        return outputs
+            texts.append(text)
+        return texts, token_ids
 
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
@@ -155,14 +197,37 @@ class LLM:
         return [results[request_ids[i]] for i in range(len(token_ids))]
 
 
+def _prompt_fields(prompt: object) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of one prompt, exactly one of them set; ValueError naming what is wrong."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list):
+        return None, prompt
+    if not isinstance(prompt, dict):
+        raise ValueError(f"must be a string, a list of token ids, {{'prompt': ...}} or {{'prompt_token_ids': "
+                         f"...}}; got {type(prompt).__name__}")
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if unknown:
+        raise ValueError(f"{', '.join(map(str, unknown))}: not supported by batchinfer; a prompt dict holds "
+                         "'prompt' or 'prompt_token_ids'")
+    if "prompt_token_ids" in prompt:  # vLLM: the ids win when both are given
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list):
+            raise ValueError(f"prompt_token_ids: must be a list of token ids; got {type(ids).__name__}")
+        return prompt.get("prompt") if isinstance(prompt.get("prompt"), str) else None, ids
+    text = prompt.get("prompt")
+    if not isinstance(text, str):
+        raise ValueError(f"prompt: must be a string; got {type(text).__name__}")
+    return text, None
+
+
 @contextmanager
-def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[], None]]:
-    """A rich progress bar over finished requests, or a no-op."""
+def _progress(total: int, *, enabled: bool, what: str = "Processed prompts") -> Iterator[Callable[[], None]]:
+    """A tqdm progress bar over finished requests on stderr (vLLM's), or a no-op."""
     if not enabled:
         yield lambda: None
         return
-    from rich.progress import Progress
+    from tqdm import tqdm
 
-    with Progress() as bar:
-        task = bar.add_task("generating", total=total)
-        yield lambda: bar.advance(task)
+    with tqdm(total=total, desc=what, unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
+        yield lambda: bar.update(1)

@@ -243,17 +243,17 @@ class Engine:
         return prompt_token_ids(self.tokenizer, prompt, vocab_size=self.vocab_size,
                                 add_special_tokens=add_special_tokens)
 
-    def embed(self, inputs: list[str | list[int]]) -> tuple[list[list[float]], int]:
-        """(each input's normalised mean-pooled embedding, tokens read); outside the generation batch."""
-        embed = getattr(self.model_runner, "embed", None)
-        if embed is None:
-            raise ValueError("embeddings need tensor_parallel_size=1 on this worker")
+    def embed(self, inputs: list[str | list[int]], *, first_index: int = 0) -> tuple[list[list[float]], int]:
+        """(each input's normalised mean-pooled embedding, tokens read); outside the generation batch.
+
+        first_index: the position of inputs[0] in its line (error messages name input[first_index + i]).
+        A runner that cannot pool (pipeline stages) raises ValueError naming the setting."""
         token_id_lists = [self.tokenize(text) for text in inputs]
-        for i, ids in enumerate(token_id_lists):
+        for i, ids in enumerate(token_id_lists, start=first_index):
             if len(ids) > self.max_model_len:
                 raise ValueError(f"input[{i}]: {len(ids)} tokens exceed the model's context "
                                  f"(max_model_len={self.max_model_len}); shorten the input")
-        return embed(token_id_lists), sum(map(len, token_id_lists))
+        return self.model_runner.embed(token_id_lists), sum(map(len, token_id_lists))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; returns its final output (None if unknown)."""

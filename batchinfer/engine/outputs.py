@@ -1,5 +1,5 @@
-"""What the engine hands back: RequestOutput / CompletionOutput / Logprob (vLLM's shapes), and the code
-that builds them from a request's sequences."""
+"""What the engine hands back: RequestOutput / CompletionOutput / Logprob, EmbeddingRequestOutput
+(vLLM's shapes), and the code that builds them from a request's sequences."""
 
 from __future__ import annotations
 
@@ -34,6 +34,28 @@ class CompletionOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    """One input's pooled embedding (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        """The embedding's length."""
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's answer for one input (vLLM's EmbeddingRequestOutput)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
 class RequestMetrics:
     """Wall-clock times (time.time()) of one request's milestones."""
 
@@ -56,6 +78,7 @@ class RequestOutput:
     metrics: RequestMetrics
     # vLLM's prompt_logprobs: per prompt token (the first is None) its logprob and the top N, if asked
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # why a request ended without running (its grammar failed or timed out)
 
     @property
     def num_prompt_tokens(self) -> int:

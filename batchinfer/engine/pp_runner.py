@@ -1,5 +1,6 @@
 """PipelineParallelRunner: the model runner the Engine uses when pipeline_parallel_size > 1 (or the Ray
-executor is chosen), a drop-in for ModelRunner like TensorParallelRunner.
+executor is chosen); it implements ModelRunnerProtocol member by member, like TensorParallelRunner.
+Embeddings are refused at once (EMBEDDINGS_NEED_ONE_STAGE): the pooled hidden state lives on no stage.
 
 The layers are split into pipeline_parallel_size stages of near-equal layer counts; each stage runs on
 tensor_parallel_size ranks (pp_stage.py has the topology and the wire format). This process is rank 0:
@@ -14,11 +15,11 @@ scheduled step, so the scheduler and block manager see an ordinary step, and a s
 done (on every stage) before its logits come back. The bubble (stage s idle while the pipeline fills
 and drains) is measured by bench/pp_comm.py.
 
-Startup: rank 0 checks the sizes, starts ranks 1..N-1 (multiprocessing here, Ray actors with
-distributed_executor_backend="ray"), joins the process group, then builds its StageRunner; the stages
-agree on the smallest KV block count. Faults: a dead or stuck rank makes execute_model raise
-RankFailedError naming it within seconds (STEP_TIMEOUT_S at most); the runner stays failed, and
-close() terminates the remaining ranks.
+Startup: rank 0 checks the sizes, starts ranks 1..N-1 (spawned processes here, rank_processes.py, from a
+plain script too; Ray actors with distributed_executor_backend="ray"), joins the process group, then
+builds its StageRunner; the stages agree on the smallest KV block count. Faults: a dead or stuck rank
+makes execute_model raise RankFailedError naming it within seconds (STEP_TIMEOUT_S at most); the runner
+stays failed, and close() terminates the remaining ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,7 +50,9 @@ from batchinfer.engine.pp_stage import (
     init_pipeline,
     wait_for,
 )
+from batchinfer.engine.rank_processes import RankProcess, spawn_rank, wait_started
 from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
+from batchinfer.engine.runner_protocol import EMBEDDINGS_NEED_ONE_STAGE
 from batchinfer.engine.tp_runner import _free_port, check_tensor_parallel_size, rank_device
 
 logger = logging.getLogger(__name__)
@@ -121,7 +125,7 @@ def check_step(
 
 
 class PipelineParallelRunner:
-    """Drop-in for ModelRunner (same attributes and execute_model) that runs the model on pp x tp ranks."""
+    """ModelRunnerProtocol over pp x tp ranks: stage 0's tp rank 0 here, the others in their processes."""
 
     def __init__(self, config: EngineConfig, model: ResolvedModel | None = None) -> None:
         """model: resolved by the Engine (None resolves config.model here); every rank gets it."""
@@ -176,24 +180,17 @@ class PipelineParallelRunner:
         """Rank 0's device, where the logits come back."""
         return self._rank0().device
 
-    def __getattr__(self, name: str) -> Any:
-        # Everything else (dtype, hf_config, max_model_len, ...) is rank 0's StageRunner's.
-        runner = self.__dict__.get("runner")
-        if runner is None:
-            raise AttributeError(name)
-        return getattr(runner, name)
-
     def _rank0(self) -> StageRunner:
         if self.runner is None:
             raise RuntimeError("the pipeline-parallel runner is closed")
         return self.runner
 
-    def embed(self, token_id_lists: Any) -> list[list[float]]:
-        """Embeddings pool the final hidden state, which no single stage has."""
-        raise ValueError("embeddings need pipeline_parallel_size=1 on this worker")
+    def embed(self, token_id_lists: Sequence[list[int]]) -> list[list[float]]:
+        """Refused at once, before any rank is involved: no single stage holds the final hidden state."""
+        raise ValueError(EMBEDDINGS_NEED_ONE_STAGE)
 
     def execute_model(
-        self, scheduled: list[tuple[Any, int]], logits_counts: list[int] | None = None
+        self, scheduled: Sequence[tuple[Any, int]], logits_counts: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Run one step through every stage; float32 logits as ModelRunner's."""
         runner = self._rank0()
@@ -308,33 +305,27 @@ def _make_launcher(config: EngineConfig) -> Any:
 
 
 class ProcessLauncher:
-    """Ranks 1..N-1 as local processes (spawn: never fork a process that may have initialized CUDA)."""
+    """Ranks 1..N-1 as local processes (rank_processes.py: spawned, never forked)."""
 
     def __init__(self) -> None:
         self.processes: list[Any] = []
+        self._ranks: list[RankProcess] = []
         self.threads_per_rank = 1
 
     def start(self, config: EngineConfig, model: ResolvedModel, topology: Topology, backend: str) -> str:
         """Start every non-driver rank; the init_method they join."""
-        import multiprocessing as mp
-
         from batchinfer.engine.pp_stage import worker_main
         from batchinfer.engine.tp_runner import _threads_per_rank
 
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.threads_per_rank = _threads_per_rank(topology.world_size)
         device = config.resolved_device()
-        ctx = mp.get_context("spawn")
         for rank in range(1, topology.world_size):
             rank_config = dataclasses.replace(config, device=rank_device(device, rank))
-            process = ctx.Process(
-                target=worker_main,
-                args=(rank_config, model, rank, topology, backend, init_method, self.threads_per_rank),
-                name=f"batchinfer-pp-rank{rank}",
-                daemon=True,
-            )
-            process.start()
-            self.processes.append(process)
+            args = (rank_config, model, rank, topology, backend, init_method, self.threads_per_rank)
+            self._ranks.append(spawn_rank(f"batchinfer-pp-rank{rank}", worker_main, args))
+            self.processes.append(self._ranks[-1].process)
+        wait_started(self._ranks, what="pipeline-parallel start")
         return init_method
 
     def dead_ranks(self) -> dict[int, str]:

@@ -48,6 +48,7 @@ from batchinfer.engine.model_runner import ModelRunner, _default_dtype
 from batchinfer.engine.models import get_model_class
 from batchinfer.engine.models.pipeline_stage import PipelineStage
 from batchinfer.engine.resolved_model import ResolvedModel
+from batchinfer.engine.runner_protocol import EMBEDDINGS_NEED_ONE_STAGE
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +259,7 @@ class StageRunner(ModelRunner):
 
     def embed(self, token_id_lists: Any) -> list[list[float]]:
         """Embeddings pool the final hidden state, which no single stage has."""
-        raise ValueError("embeddings need pipeline_parallel_size=1 on this worker")
+        raise ValueError(EMBEDDINGS_NEED_ONE_STAGE)
 
 
 def _world_min(value: int, device: torch.device) -> int:

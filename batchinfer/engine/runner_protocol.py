@@ -1,7 +1,10 @@
-"""ModelRunnerProtocol: what the Engine needs of a model runner (one rank, or tensor-parallel ranks).
+"""ModelRunnerProtocol: everything the Engine asks of a model runner (ARCHITECTURE.md, contract 2).
 
-ModelRunner (model_runner.py) and TensorParallelRunner (tp_runner.py) both satisfy it, so the Engine
-never looks past these members. Import-light: torch is named for type checkers only.
+Three runners implement it, each explicitly (no attribute forwarding): ModelRunner (one rank, this
+process), TensorParallelRunner (tp_runner.py: every member drives all ranks) and PipelineParallelRunner
+(pp_runner.py). The Engine never looks past these members, so a member a runner cannot honour is written
+out and refuses with a clear ValueError instead of silently running on rank 0 alone.
+Import-light: torch is named for type checkers only.
 """
 
 from __future__ import annotations
@@ -11,6 +14,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+# What a runner that cannot pool embeddings raises (Engine.embed turns it into the line's error).
+EMBEDDINGS_NEED_ONE_STAGE = (
+    "embeddings need pipeline_parallel_size=1 on this worker (the pooled last hidden state lives on no "
+    "single stage); serve /v1/embeddings from a worker with pipeline_parallel_size=1"
+)
 
 
 class ModelRunnerProtocol(Protocol):
@@ -31,7 +40,15 @@ class ModelRunnerProtocol(Protocol):
     ) -> torch.Tensor:
         """Run one step of (sequence, new tokens); float32 logits [sum(logits_counts), vocab].
 
-        logits_counts[i]: the logits of entry i's last c scheduled tokens (default 1 each), entry by entry.
+        logits_counts[i]: the logits of entry i's last c scheduled tokens (default 1 each), entry by entry;
+        prompt logprobs (prompt_logprobs.py) and speculative verification ask for more than one.
+        """
+        ...
+
+    def embed(self, token_id_lists: Sequence[list[int]]) -> list[list[float]]:
+        """Each input's final-norm hidden state, mean-pooled and L2-normalised; the KV cache is untouched.
+
+        Raises ValueError (the line's error) when this runner cannot pool, never hangs other ranks.
         """
         ...
 

@@ -1,14 +1,17 @@
 """TensorParallelRunner: the model runner the Engine uses when tensor_parallel_size > 1.
 
 This process is rank 0: it keeps the scheduler, block manager and sampler (the Engine, unchanged) and a
-ModelRunner over its slice of the weights and KV cache. It spawns ranks 1..N-1 as worker processes (spawn
-context: never fork a process that may have initialized CUDA), each running `_worker_main`: a ModelRunner
-over its own slices and a loop that waits for the next step on the StepChannel and runs it. Every step, rank
-0 publishes the step layout, then runs its own forward; the ranks meet in the collectives of the layers
+ModelRunner over its slice of the weights and KV cache. It spawns ranks 1..N-1 as worker processes
+(rank_processes.py: spawned, from a plain script too), each running `_worker_main`: a ModelRunner over its
+own slices and a loop that waits for the next command on the StepChannel and runs it. Every step, rank 0
+publishes the step layout, then runs its own forward; the ranks meet in the collectives of the layers
 (one all-reduce per o_proj / down_proj and the embedding, one gather of the vocab shards of the logits).
+Embeddings go the same way, one input per command: every rank runs the pooling forward, rank 0 pools.
+It implements ModelRunnerProtocol member by member; nothing is forwarded to rank 0 implicitly.
 
 Startup order: rank 0 validates the size, starts the workers (each is handed the model the Engine
-resolved, so no rank resolves it again), joins the process group (which waits for every worker to
+resolved, so no rank resolves it again), waits until each runs (one that dies first fails the start at
+once), joins the process group (which waits for every worker to
 join), then builds its ModelRunner; ModelRunner's KV sizing takes the minimum block
 count over the ranks (a collective), so every rank's KV shard holds the same block ids.
 
@@ -22,9 +25,9 @@ import atexit
 import dataclasses
 import logging
 import math
-import multiprocessing as mp
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,6 +36,7 @@ from batchinfer.engine import distributed
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.errors import RankFailedError
 from batchinfer.engine.model_runner import ModelRunner
+from batchinfer.engine.rank_processes import CONTEXT, RankProcess, spawn_rank, wait_started
 from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -81,9 +85,11 @@ def _free_port() -> int:
 
 
 def _step_capacity_words(config: EngineConfig, max_model_len: int) -> int:
-    """Upper bound of one step's layout: 4 words per sequence, its new tokens, and its block table."""
+    """Upper bound of one command: a step's layout (4 words per sequence, its new tokens, its block table)
+    or an embeddings input (up to max_model_len token ids)."""
     max_blocks = math.ceil(max_model_len / config.block_size)
-    return 4 * config.max_num_seqs + config.max_num_batched_tokens + config.max_num_seqs * max_blocks
+    step = 4 * config.max_num_seqs + config.max_num_batched_tokens + config.max_num_seqs * max_blocks
+    return max(step, max_model_len)
 
 
 def _threads_per_rank(tp_size: int) -> int:
@@ -92,7 +98,7 @@ def _threads_per_rank(tp_size: int) -> int:
 
 
 class TensorParallelRunner:
-    """Drop-in for ModelRunner (same attributes and execute_model) that runs the model on N ranks."""
+    """ModelRunnerProtocol over N ranks: rank 0 here, ranks 1..N-1 in worker processes."""
 
     def __init__(self, config: EngineConfig, model: ResolvedModel | None = None) -> None:
         """model: resolved by the Engine (None resolves config.model here); the workers get it too."""
@@ -100,7 +106,8 @@ class TensorParallelRunner:
             model = resolve_model(config, with_tokenizer=False)
         self.closed = False
         self.runner: ModelRunner | None = None
-        self.workers: list[Any] = []
+        self.workers: list[Any] = []  # the worker ranks' processes
+        self._ranks: list[RankProcess] = []
         self.channel: distributed.StepChannel | None = None
         self._joined = False
         tp_size = config.tensor_parallel_size
@@ -110,8 +117,7 @@ class TensorParallelRunner:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._threads_before = torch.get_num_threads()
         threads = _threads_per_rank(tp_size)
-        ctx = mp.get_context("spawn")
-        events = [ctx.Event() for _ in range(tp_size - 1)]
+        events = [CONTEXT.Event() for _ in range(tp_size - 1)]
         atexit.register(self.close)
         try:
             capacity = _step_capacity_words(config, model.max_model_len)
@@ -119,15 +125,11 @@ class TensorParallelRunner:
             worker_model = model.without_tokenizer()  # pickled to each worker: it only runs the model
             for rank in range(1, tp_size):
                 rank_config = dataclasses.replace(config, device=rank_device(device, rank))
-                process = ctx.Process(
-                    target=_worker_main,
-                    args=(rank_config, worker_model, rank, tp_size, backend, init_method, self.channel.name,
-                          events[rank - 1], threads),
-                    name=f"batchinfer-tp-rank{rank}",
-                    daemon=True,
-                )
-                process.start()
-                self.workers.append(process)
+                args = (rank_config, worker_model, rank, tp_size, backend, init_method, self.channel.name,
+                        events[rank - 1], threads)
+                self._ranks.append(spawn_rank(f"batchinfer-tp-rank{rank}", _worker_main, args))
+                self.workers.append(self._ranks[-1].process)
+            wait_started(self._ranks, what="tensor-parallel start")
             if backend == "gloo":
                 torch.set_num_threads(threads)
             distributed.init_tensor_parallel(0, tp_size, backend=backend, init_method=init_method)
@@ -147,32 +149,42 @@ class TensorParallelRunner:
         """Rank 0's device, where the gathered logits come back."""
         return self._rank0().device
 
-    def __getattr__(self, name: str) -> Any:
-        # Everything else (dtype, hf_config, max_model_len, ...) is rank 0's ModelRunner's.
-        runner = self.__dict__.get("runner")
-        if runner is None:
-            raise AttributeError(name)
-        return getattr(runner, name)
-
     def _rank0(self) -> ModelRunner:
         if self.runner is None:
             raise RuntimeError("the tensor-parallel runner is closed")
         return self.runner
 
     def execute_model(
-        self, scheduled: list[tuple[Any, int]], logits_counts: list[int] | None = None
+        self, scheduled: Sequence[tuple[Any, int]], logits_counts: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Publish the step to the workers, run rank 0's share; float32 logits as ModelRunner's."""
-        if self.closed or self.runner is None:
-            raise RuntimeError("the tensor-parallel runner is closed")
+        runner, channel = self._rank0(), self._channel()
+        scheduled = list(scheduled)
+        counts = None if logits_counts is None else list(logits_counts)
         if scheduled:
-            dead = [p.name for p in self.workers if not p.is_alive()]
-            if dead:
-                raise RankFailedError(
-                    f"tensor-parallel worker(s) {', '.join(dead)} died; see their log above"
-                )
-            self.channel.send_step(scheduled, logits_counts)
-        return self.runner.execute_model(scheduled, logits_counts)
+            self._check_workers_alive()
+            channel.send_step(scheduled, counts)
+        return runner.execute_model(scheduled, counts)
+
+    def embed(self, token_id_lists: Sequence[list[int]]) -> list[list[float]]:
+        """Every rank runs each input's pooling forward (its all-reduces need them all); rank 0 pools."""
+        runner, channel = self._rank0(), self._channel()
+        vectors = []
+        for ids in token_id_lists:
+            self._check_workers_alive()
+            channel.send_embed(list(ids))
+            vectors += runner.embed([ids])
+        return vectors
+
+    def _channel(self) -> distributed.StepChannel:
+        if self.closed or self.channel is None:
+            raise RuntimeError("the tensor-parallel runner is closed")
+        return self.channel
+
+    def _check_workers_alive(self) -> None:
+        dead = [p.name for p in self.workers if not p.is_alive()]
+        if dead:
+            raise RankFailedError(f"tensor-parallel worker(s) {', '.join(dead)} died; see their log above")
 
     def close(self) -> None:
         """Stop the workers, leave the process group, free the shared memory (idempotent)."""
@@ -217,9 +229,12 @@ def _worker_main(
     channel = distributed.StepChannel(0, [], name=shm_name)
     try:
         runner = ModelRunner(config, model)
-        while (step := channel.receive(event)) is not None:
+        while (command := channel.receive(event)) is not None:
             try:
-                runner.execute_model(*step)
+                if isinstance(command, distributed.EmbedInput):
+                    runner.embed([command.token_ids])
+                else:
+                    runner.execute_model(*command)
             except ValueError:
                 # A malformed step fails the same check on rank 0 before any collective: skip it, stay
                 # in step.
