@@ -188,11 +188,10 @@ class Engine:
         """Load a request's adapter on the runner (ValueError naming the problem if it cannot run)."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request: must be a LoRARequest; got {type(lora_request).__name__}")
-        add_lora = getattr(self.model_runner, "add_lora", None)
-        if add_lora is None or not self.config.enable_lora:
+        if not self.config.enable_lora:
             raise ValueError("lora_request: this engine was started without enable_lora "
                              "(LLM(model, enable_lora=True), or --lora-modules)")
-        add_lora(lora_request)
+        self.model_runner.add_lora(lora_request)
 
     def _queue(self, group: SequenceGroup) -> None:
         """Hand a request's sequences to the scheduler (a constrained one's grammar is compiled by now)."""

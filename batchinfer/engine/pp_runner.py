@@ -52,7 +52,7 @@ from batchinfer.engine.pp_stage import (
 )
 from batchinfer.engine.rank_processes import RankProcess, spawn_rank, wait_started
 from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
-from batchinfer.engine.runner_protocol import EMBEDDINGS_NEED_ONE_STAGE
+from batchinfer.engine.runner_protocol import EMBEDDINGS_NEED_ONE_STAGE, LORA_NEEDS_ONE_RANK
 from batchinfer.engine.tp_runner import _free_port, check_tensor_parallel_size, rank_device
 
 logger = logging.getLogger(__name__)
@@ -188,6 +188,10 @@ class PipelineParallelRunner:
     def embed(self, token_id_lists: Sequence[list[int]]) -> list[list[float]]:
         """Refused at once, before any rank is involved: no single stage holds the final hidden state."""
         raise ValueError(EMBEDDINGS_NEED_ONE_STAGE)
+
+    def add_lora(self, lora_request: Any) -> None:
+        """Refused: adapters run on one rank (EngineConfig refuses enable_lora here before this)."""
+        raise ValueError(LORA_NEEDS_ONE_RANK)
 
     def execute_model(
         self, scheduled: Sequence[tuple[Any, int]], logits_counts: Sequence[int] | None = None

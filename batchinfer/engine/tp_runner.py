@@ -38,6 +38,7 @@ from batchinfer.engine.errors import RankFailedError
 from batchinfer.engine.model_runner import ModelRunner
 from batchinfer.engine.rank_processes import CONTEXT, RankProcess, spawn_rank, wait_started
 from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
+from batchinfer.engine.runner_protocol import LORA_NEEDS_ONE_RANK
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,10 @@ class TensorParallelRunner:
             channel.send_embed(list(ids))
             vectors += runner.embed([ids])
         return vectors
+
+    def add_lora(self, lora_request: Any) -> None:
+        """Refused: adapters run on one rank (EngineConfig refuses enable_lora here before this)."""
+        raise ValueError(LORA_NEEDS_ONE_RANK)
 
     def _channel(self) -> distributed.StepChannel:
         if self.closed or self.channel is None:
