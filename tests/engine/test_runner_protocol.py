@@ -98,3 +98,34 @@ def test_pipeline_engine_refuses_embeddings_at_once(tiny_llama: Path) -> None:
             pipeline.engine.embed(TEXTS)
         # Nothing reached the other stage: the pipeline still generates.
         assert pipeline.generate(TEXTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.integration
+def test_pipeline_worker_errors_an_embeddings_line_and_runs_the_rest(sqlite_url: str, tiny_llama: Path,
+                                                                     tmp_path: Path) -> None:
+    from batchinfer.store.db import session_factory, upgrade
+    from batchinfer.store.export import export_results
+    from batchinfer.store.jobs import get_job, submit_job
+    from tests.workers.helpers import write_requests
+    from workers.process import make_runner, run_job
+
+    upgrade(sqlite_url)
+    settings = Settings(database_url=sqlite_url, data_dir=tmp_path)
+    embedding = orjson.dumps({"custom_id": "emb", "method": "POST", "url": "/v1/embeddings",
+                              "body": {"input": TEXTS}})
+    path = tmp_path / "in.jsonl"
+    write_requests(path, 2, extra_lines=[embedding])
+    sessions = session_factory(sqlite_url)
+    with sessions() as session:
+        job = submit_job(session, settings=settings, path=path, model=str(tiny_llama), owner="t")
+    runner = make_runner(model=str(tiny_llama), settings=settings, max_num_seqs=4, pipeline_parallel_size=2,
+                         **CPU)
+    try:
+        run_job(job_id=job.id, runner=runner)
+    finally:
+        runner.engine.close()
+    with sessions() as session:
+        assert get_job(session, job_id=job.id).request_counts == {"total": 3, "completed": 2, "failed": 1}
+        (error,) = map(orjson.loads, export_results(session, job_id=job.id, kind="errors"))
+    assert error["custom_id"] == "emb"
+    assert "embeddings need pipeline_parallel_size=1" in error["error"]["message"]
