@@ -8,7 +8,8 @@ tenants' shards included.
 
 The loop publishes the leases it holds at every turn (`publish`). The thread wakes every `interval`
 seconds and, only when the loop has not published for that long (it is inside a long call), extends
-those leases itself, and marks the worker live in the worker table. It never decides anything: a
+those leases itself, and marks the worker live in the worker table (its `info`, the loop's to refresh,
+is left as it is: the thread reads nothing the loop writes). It never decides anything: a
 heartbeat that answers False (job cancelled, lease lost) just stops being extended, and the loop's own
 check acts on it at its next turn. The statements are fenced by the lease token, so a snapshot that went
 stale (a shard completed or released meanwhile) extends nothing.
@@ -23,8 +24,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -42,12 +41,11 @@ class LeaseKeeper:
     """Extends the published leases from a daemon thread while the runner's loop is inside a long call."""
 
     def __init__(self, *, sessions: sessionmaker[Session], worker_id: str, lease_seconds: float,
-                 interval_s: float, heartbeat_info: Callable[[], dict[str, Any]]) -> None:
+                 interval_s: float) -> None:
         self.sessions = sessions
         self.worker_id = worker_id
         self.lease_seconds = lease_seconds
         self.interval_s = interval_s
-        self.heartbeat_info = heartbeat_info
         self.extensions = 0  # leases this thread extended (the loop was busy), for tests and logs
         self._lock = threading.Lock()
         self._leases: list[ShardLease] = []
@@ -105,7 +103,7 @@ class LeaseKeeper:
                     kept.append(lease)
                     self.extensions += 1
         with self.sessions() as session:
-            worker_store.worker_heartbeat(session, worker_id=self.worker_id, info=self.heartbeat_info())
+            worker_store.worker_heartbeat(session, worker_id=self.worker_id)
         with self._lock:
             if self._leases == leases:  # those answered False are the loop's to act on, not to extend
                 self._leases = kept

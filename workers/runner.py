@@ -108,8 +108,7 @@ class ShardRunner:
         self._last_worker_beat = time.monotonic()
         self._check_interval = min(MAX_CHECK_INTERVAL_S, settings.lease_seconds / 3)
         self._keeper = LeaseKeeper(sessions=sessions, worker_id=worker_id,
-                                   lease_seconds=settings.lease_seconds, interval_s=self._check_interval,
-                                   heartbeat_info=self.metrics.heartbeat_info)
+                                   lease_seconds=settings.lease_seconds, interval_s=self._check_interval)
 
     # --- the loop ------------------------------------------------------------------------------------
 
