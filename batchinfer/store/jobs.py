@@ -35,6 +35,7 @@ from batchinfer.store.models import (
     Request,
     utcnow,
 )
+from batchinfer.store.quotas import charge_storage
 from batchinfer.store.transitions import finalize_if_done, lock_job, stop_pending
 
 OnInvalid = Literal["skip", "fail"]
@@ -234,12 +235,15 @@ def _ingest(session: Session, job: Job, stream: BinaryIO, limits: IngestLimits, 
 
 def _fail_job(session: Session, job_id: int, errors: list[dict[str, Any]],
               num_errors: int | None = None) -> None:
-    """Mark a job failed, dropping whatever requests ingest had written."""
+    """Mark a job failed, dropping whatever requests ingest had written (their bytes: the owner's again)."""
     with write_transaction(session):
         session.execute(delete(Request).where(Request.job_id == job_id))
+        held = session.execute(select(Job.owner, Job.request_bytes).where(Job.id == job_id)).first()
         session.execute(update(Job).where(Job.id == job_id).values(
-            status=JobStatus.FAILED, failed_at=utcnow(), errors=errors,
+            status=JobStatus.FAILED, failed_at=utcnow(), errors=errors, request_bytes=0,
             num_errors=len(errors) if num_errors is None else num_errors))
+        if held is not None:
+            charge_storage(session, owner=held[0], delta=-held[1])
 
 
 def get_job(session: Session, *, job_id: int, owner: str | None = None) -> Job | None:

@@ -94,6 +94,16 @@ def test_batches_made_from_one_upload_count_their_database_bytes(client, auth, a
     assert _stored(url, "alice") == before - output_bytes - len(TEN_LINES)
 
 
+def test_a_batch_that_fails_at_ingest_gives_its_bytes_back(client, auth, api_settings) -> None:
+    bad = b'{"not": "a request"}\n' * 5
+    file_id = client.post("/v1/files", headers=auth, data={"purpose": "batch"},
+                          files={"file": ("bad.jsonl", bad)}).json()["id"]
+    assert _stored(api_settings.effective_database_url, "alice") == len(bad)
+    batch = client.post("/v1/batches", headers=auth, json={"input_file_id": file_id, **CREATE}).json()
+    assert batch["status"] == "failed"
+    assert _stored(api_settings.effective_database_url, "alice") == len(bad)  # only the upload stays
+
+
 def test_listing_files_reads_the_sizes_stored_when_the_job_ended(client, auth, factory) -> None:
     file_id = client.post("/v1/files", headers=auth, data={"purpose": "batch"},
                           files={"file": ("in.jsonl", TEN_LINES)}).json()["id"]
