@@ -234,7 +234,7 @@ class Settings(BaseSettings):
     api_access_log: bool = Field(
         True, description="One line per request on stderr (time, client, request line, status); false: off.")
     api_shutdown_timeout_seconds: float = Field(
-        30.0, gt=0, description="On SIGTERM the API waits this long for requests (uploads) to end, then "
+        10.0, gt=0, description="On SIGTERM the API waits this long for requests (uploads) to end, then "
         "cuts them off.")
     staged_upload_max_idle_seconds: float = Field(
         3600.0, gt=0, description="At API start, staged uploads of dead processes, or idle this long, go.")

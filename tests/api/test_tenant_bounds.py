@@ -227,7 +227,8 @@ def test_sign_in_from_another_site_is_refused(client, make_key) -> None:
     key, _ = make_key("victim-of-login-csrf")
     for headers in ({"Origin": "https://evil.example"}, {"Origin": "null"},
                     {"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"},
-                    {"Origin": "http://testserver.evil.example", "Sec-Fetch-Site": "same-origin"}):
+                    {"Origin": "http://testserver.evil.example", "Sec-Fetch-Site": "same-origin"},
+                    {"Referer": "https://evil.example/login-csrf.html"}):
         refused = client.post("/ui/login", data={"api_key": key}, headers=headers, follow_redirects=False)
         assert refused.status_code == 403, headers
         assert "another site" in refused.text and "set-cookie" not in refused.headers

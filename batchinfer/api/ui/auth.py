@@ -13,8 +13,8 @@ State-changing dashboard requests (upload, cancel, sign-out) must also carry htm
 a cross-site form cannot set a custom header, so even a browser without SameSite cannot be led to post
 them (CSRF). The sign-in form itself is a plain form (no script before signing in), so `POST /ui/login`
 is refused (403) when the browser says it comes from another site: `Sec-Fetch-Site` other than
-same-origin / none, or an `Origin` whose host is not this server's (login CSRF would sign the user into
-the attacker's key, and the attacker would then read whatever the user uploads).
+same-origin / none, or an `Origin` (else a `Referer`) whose host is not this server's (login CSRF would
+sign the user into the attacker's key, and the attacker would then read whatever the user uploads).
 
 Every check happens on every request against the key table (through the API's short auth
 cache), so a revoked key stops working on the dashboard as soon as on the REST API.
@@ -78,7 +78,7 @@ async def same_origin_only(request: Request) -> None:
     fetch_site = request.headers.get("sec-fetch-site")
     if fetch_site is not None and fetch_site.lower() not in _SAME_SITE_FETCHES:
         raise CrossSite()
-    origin = request.headers.get("origin")
+    origin = request.headers.get("origin") or request.headers.get("referer")
     if origin is None:  # not a browser's cross-site post: browsers send Origin with every form POST
         return
     hosts = {request.headers.get("host", "").lower(), request.headers.get("x-forwarded-host", "").lower()}
