@@ -315,6 +315,9 @@ class Settings(BaseSettings):
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "distributed_executor_backend": self.distributed_executor_backend,
             "speculative_config": self.speculative_config,
+            "grammar_compile_workers": self.grammar_compile_workers,
+            "grammar_compile_timeout_s": self.grammar_compile_timeout_seconds,
+            "compiled_grammar_cache_bytes": self.compiled_grammar_cache_bytes,
         }
 
     def public_dict(self) -> dict[str, Any]:

@@ -260,6 +260,10 @@ class ShardRunner:
         if flight is None:
             return tokens
         flight.outstanding.discard(output.request_id)
+        if output.error is not None:  # it never ran: its grammar failed to compile (or took too long)
+            flight.buffered.append(error_row(submitted.request, "invalid_request", output.error))
+            stats.requests_finished += 1
+            return tokens
         echo = (submitted.request.options or {}).get("echo")
         result = result_row(submitted.request, output, self._echo_text(submitted) if echo else "")
         flight.buffered.append({**result, "model": self.model})  # a line's body.model may route it here

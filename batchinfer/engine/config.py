@@ -55,12 +55,17 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Structured output (structured.py): compile threads (fair between owners), the time one constraint
+    # may take to compile (its requests error past it), the bytes of compiled grammars kept.
+    grammar_compile_workers: int = 2
+    grammar_compile_timeout_s: float = 30.0
+    compiled_grammar_cache_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("model: must be a non-empty model name or path")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                     "pipeline_parallel_size"):
+                     "pipeline_parallel_size", "grammar_compile_workers"):
             _require_int(name, getattr(self, name), minimum=1)
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend: must be one of {', '.join(EXECUTOR_BACKENDS)}; "

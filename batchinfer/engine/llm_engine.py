@@ -148,7 +148,7 @@ class Engine:
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         compiled = None
         if params.structured_outputs is not None:
-            compiled = self._grammars().compile(params.structured_outputs)
+            compiled = self._grammars().compile(params.structured_outputs, owner=cache_salt)  # fair turns
             if compiled.done() and compiled.exception() is not None:
                 raise ValueError(f"structured_outputs: {compiled.exception()}")
 
@@ -206,6 +206,9 @@ class Engine:
             self.grammar_backend = GrammarBackend(
                 self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
                 max_num_seqs=self.config.max_num_seqs, device=self.model_runner.device,
+                compile_workers=self.config.grammar_compile_workers,
+                compile_timeout_s=self.config.grammar_compile_timeout_s,
+                cache_bytes=self.config.compiled_grammar_cache_bytes,
             )
         return self.grammar_backend
 
@@ -218,15 +221,16 @@ class Engine:
                 waiting.append(group)
             elif compiled.exception() is None:
                 self._queue(group)
-            else:  # the constraint was checked when its params were built: this is not expected
-                logger.error("request %s: its grammar failed to compile: %s", group.request_id,
-                             compiled.exception())
-                failed.append(self._finish_unqueued(group))
+            else:  # past grammar_compile_timeout_seconds, or (checked at ingest) unexpected
+                logger.warning("request %s: its grammar failed to compile: %s", group.request_id,
+                               compiled.exception())
+                error = f"structured_outputs: {compiled.exception()}"
+                failed.append(self._finish_unqueued(group, error=error))
         self._awaiting_grammar = waiting
         return failed
 
-    def _finish_unqueued(self, group: SequenceGroup) -> RequestOutput:
-        """Abort a request that never reached the scheduler; returns its final output."""
+    def _finish_unqueued(self, group: SequenceGroup, *, error: str | None = None) -> RequestOutput:
+        """Abort a request that never reached the scheduler; returns its final output (with `error`)."""
         now = time.time()
         for seq in group.seqs:
             seq.status = SequenceStatus.FINISHED_ABORTED
@@ -234,6 +238,7 @@ class Engine:
         self._requests.pop(group.request_id, None)
         self._prompt_logprob_requests.discard(group.request_id)
         output = make_request_output(group)
+        output.error = error
         self.recorder.record_finished(output)
         return output
 

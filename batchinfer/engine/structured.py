@@ -1,8 +1,14 @@
 """GrammarBackend: structured output in the engine, on xgrammar (vLLM's default grammar backend).
 
 - Compile: each distinct constraint (StructuredOutputsParams.cache_key, a hash) is compiled against the
-  tokenizer once, in a background thread, so a new schema never stalls the step; compiled grammars stay
-  in an LRU cache. A request whose grammar is still compiling waits outside the scheduler (llm_engine.py).
+  tokenizer once, on a pool of `compile_workers` threads, so a new schema never stalls the step. The pool
+  is fair between owners (the request's cache_salt, which the worker sets per owner): owners take turns,
+  and one named owner compiles on at most all threads but one, so a tenant's slow grammars (a 750 KB choice
+  list: ~8 s) never hold up another's. A compilation running past `compile_timeout_s` errors its
+  requests, naming grammar_compile_timeout_seconds (xgrammar cannot be interrupted: the thread finishes
+  it and drops it; the constraint is remembered as failed, so it is not compiled again).
+  Compiled grammars stay in an LRU bounded in bytes (`cache_bytes`, xgrammar's memory_size_bytes).
+  A request whose grammar is still compiling waits outside the scheduler (llm_engine.py).
 - GrammarState: one per constrained sequence (each of n siblings has its own): its matcher, and how many
   of the sequence's output tokens the matcher has accepted.
 - Bitmask: one [max_num_seqs, ceil(vocab / 32)] int32 buffer; each step the constrained rows are filled in
@@ -20,18 +26,23 @@ rolls the matcher back, or replays tokens into it, whenever the accepted count a
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
+import threading
 import time
+import weakref
+from collections import Counter, deque
 from collections.abc import Sequence as Seq
 from collections.abc import Set as AbstractSet
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from cachetools import LRUCache
 
-from batchinfer.engine.grammars import build_grammar
+from batchinfer.engine.grammars import DEFAULT_GRAMMAR_BUDGET, GrammarError, build_grammar
 from batchinfer.engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -39,14 +50,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-COMPILE_WORKERS = 1  # one background compile at a time: it must not compete with the step for cores
+COMPILE_WORKERS = 2  # compile threads (setting grammar_compile_workers): a slow grammar leaves one free
+COMPILE_TIMEOUT_S = DEFAULT_GRAMMAR_BUDGET.timeout_s  # setting grammar_compile_timeout_seconds
 # xgrammar's threads within one compilation, and filling the batch's bitmask rows (~20-90 us a row at
 # vocab 49k, one thread): half the cores, 2 to 8.
 XGRAMMAR_THREADS = min(8, max(2, (os.cpu_count() or 2) // 2))
 # Below this many constrained rows the bitmask is filled on the calling thread: waking fill threads costs
 # more than it saves (measured ~4 ms a step for 4 rows on a loaded 2-core machine, 0.1 ms inline).
 PARALLEL_FILL_ROWS = 64
-COMPILED_CACHE_SIZE = 256  # distinct compiled grammars kept (a batch job has a handful)
+COMPILED_CACHE_BYTES = 512 << 20  # compiled grammars kept for reuse (setting compiled_grammar_cache_bytes)
+FAILED_CACHE_BYTES = 1 << 20  # constraints that failed or timed out: their errors, by cache key
 
 
 class GrammarState:
@@ -65,6 +78,12 @@ class GrammarState:
         return self.compiled.done()
 
 
+class _Job(NamedTuple):
+    key: str
+    constraint: StructuredOutputsParams
+    future: Future[Any]
+
+
 class GrammarBackend:
     """Compiles constraints for one tokenizer and keeps the step's token bitmask."""
 
@@ -76,6 +95,9 @@ class GrammarBackend:
         eos_token_ids: AbstractSet[int],
         max_num_seqs: int,
         device: str | torch.device = "cpu",
+        compile_workers: int = COMPILE_WORKERS,
+        compile_timeout_s: float = COMPILE_TIMEOUT_S,
+        cache_bytes: int = COMPILED_CACHE_BYTES,
     ) -> None:
         import xgrammar as xgr
 
@@ -84,30 +106,130 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids) or None
         )
-        # Our LRU of futures is the cache: xgrammar's own would keep a second copy of each grammar.
+        # Our LRU is the cache: xgrammar's own would keep a second copy of each grammar.
         self.compiler = xgr.GrammarCompiler(info, max_threads=XGRAMMAR_THREADS, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="batchinfer-grammar")
-        self._compiled: LRUCache[str, Future[Any]] = LRUCache(maxsize=COMPILED_CACHE_SIZE)
+        self.compile_timeout_s = compile_timeout_s
+        self._per_owner = max(1, compile_workers - 1)  # threads one owner may hold while others wait
+        self._lock = threading.Lock()
+        self._work_ready = threading.Condition(self._lock)
+        self._pending: dict[str, deque[_Job]] = {}  # owner -> its queue; dict order is the turn order
+        self._running: Counter[str] = Counter()
+        self._inflight: dict[str, Future[Any]] = {}  # queued or compiling, by cache key
+        self._compiled: LRUCache[str, Future[Any]] = LRUCache(  # done futures: compile() hands out one
+            maxsize=cache_bytes, getsizeof=lambda done: _grammar_bytes(done.result()))
+        self._failed: LRUCache[str, str] = LRUCache(maxsize=FAILED_CACHE_BYTES,
+                                                    getsizeof=lambda error: 200 + len(error))
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"batchinfer-grammar-{i}", daemon=True)
+                         for i in range(compile_workers)]
+        for thread in self._threads:
+            thread.start()
+        # A compilation still running when the interpreter exits would abort it (xgrammar's C++ threads):
+        # let it finish first. Daemon threads, so an engine never closed does not hang the exit.
+        atexit.register(_close_at_exit, weakref.ref(self))
         self.bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
         if torch.device(device).type == "cuda":
             self.bitmask = self.bitmask.pin_memory()  # copied to the GPU every step, asynchronously
         self._fill_inline = xgr.BatchGrammarMatcher(max_threads=1)
         self._fill_parallel = xgr.BatchGrammarMatcher(max_threads=XGRAMMAR_THREADS)
         self.num_compiled = 0
-        self.compile_seconds = 0.0  # summed over compilations, in the background thread
+        self.compile_seconds = 0.0  # summed over compilations, in the compile threads
 
-    def close(self) -> None:
-        """Stop the compile thread (pending compilations are dropped)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the compile threads: queued compilations are cancelled; with `wait`, a running one is
+        waited for (up to the compile timeout: xgrammar cannot be interrupted)."""
+        with self._lock:
+            self._closed = True
+            queued = [job for queue in self._pending.values() for job in queue]
+            self._pending.clear()
+            self._work_ready.notify_all()
+        for job in queued:
+            job.future.cancel()
+        if wait:
+            deadline = time.monotonic() + self.compile_timeout_s
+            for thread in self._threads:
+                if thread is not threading.current_thread():
+                    thread.join(timeout=max(deadline - time.monotonic(), 0))
 
-    def compile(self, constraint: StructuredOutputsParams) -> Future[Any]:
-        """The compiled grammar of `constraint`, as a future: started now unless already cached."""
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of compiled grammars the cache holds (xgrammar's estimate)."""
+        with self._lock:
+            return int(self._compiled.currsize)
+
+    def compile(self, constraint: StructuredOutputsParams, *, owner: str | None = None) -> Future[Any]:
+        """The compiled grammar of `constraint`, as a future: queued for `owner` unless cached or under way
+        (a constraint that failed or timed out fails again at once)."""
         key = constraint.cache_key
-        future = self._compiled.get(key)
-        if future is None:
-            future = self._pool.submit(self._compile, constraint)
-            self._compiled[key] = future
-        return future
+        with self._lock:
+            future = self._compiled.get(key) or self._inflight.get(key)
+            error = self._failed.get(key) if future is None else None
+            if future is None and error is None:
+                future = self._inflight[key] = Future()
+                self._pending.setdefault(owner or "", deque()).append(_Job(key, constraint, future))
+                self._work_ready.notify()
+        if future is not None:
+            return future
+        failed: Future[Any] = Future()
+        failed.set_exception(GrammarError(error))
+        return failed
+
+    def _next_job(self) -> tuple[str, _Job] | None:
+        """The next owner in turn under its thread share, and its oldest job (called under the lock)."""
+        for owner in list(self._pending):
+            if owner and self._running[owner] >= self._per_owner:  # "": no owner named, one tenant
+                continue
+            queue = self._pending.pop(owner)
+            job = queue.popleft()
+            if queue:
+                self._pending[owner] = queue  # back of the turn order
+            self._running[owner] += 1
+            return owner, job
+        return None
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                picked = None
+                while not self._closed and (picked := self._next_job()) is None:
+                    self._work_ready.wait()
+                if picked is None:
+                    return
+            owner, job = picked
+            timer = threading.Timer(self.compile_timeout_s, self._expire, (job,))
+            timer.daemon = True
+            timer.start()
+            try:
+                compiled, error = self._compile(job.constraint), None
+            except Exception as exc:  # noqa: BLE001 - handed to the requests waiting on it
+                compiled, error = None, exc
+            timer.cancel()
+            with self._lock:
+                self._running[owner] -= 1
+                if self._inflight.get(job.key) is job.future:
+                    del self._inflight[job.key]
+                if not job.future.done():
+                    if error is None:
+                        job.future.set_result(compiled)
+                        with contextlib.suppress(ValueError):  # larger than the whole cache: not kept
+                            self._compiled[job.key] = job.future
+                    else:
+                        self._failed[job.key] = str(error)
+                        job.future.set_exception(error)
+                self._work_ready.notify_all()  # an owner at its share may take a turn again
+
+    def _expire(self, job: _Job) -> None:
+        """A compilation past its time: its requests error now; the thread finishes it and drops it."""
+        error = (f"compiling the {job.constraint.kind} constraint took longer than "
+                 f"{self.compile_timeout_s:g} s (grammar_compile_timeout_seconds); simplify it")
+        with self._lock:
+            if job.future.done():
+                return
+            if self._inflight.get(job.key) is job.future:
+                del self._inflight[job.key]
+            self._failed[job.key] = error
+            job.future.set_exception(GrammarError(error))
+        logger.warning("grammar %s: %s", job.key[:12], error)
 
     def _compile(self, constraint: StructuredOutputsParams) -> Any:
         start = time.perf_counter()
@@ -145,6 +267,17 @@ class GrammarBackend:
         if accepted:
             state.num_accepted += 1
         return accepted
+
+
+def _close_at_exit(backend_ref: weakref.ref[GrammarBackend]) -> None:
+    backend = backend_ref()
+    if backend is not None:
+        backend.close()
+
+
+def _grammar_bytes(compiled: Any) -> int:
+    """What a compiled grammar costs the cache: xgrammar's own estimate (its token masks dominate)."""
+    return max(int(getattr(compiled, "memory_size_bytes", 0) or 0), 1024)
 
 
 def sync(state: GrammarState, output: list[int]) -> None:

@@ -1,0 +1,76 @@
+"""Issue 28 items 3 and 4: grammars compile on a pool fair between owners, a compilation past its time
+errors its requests naming the setting, and compiled grammars are kept within a byte budget.
+
+On the tiny tokenizer (vocab 512) a guided_choice of 2,000 50-letter strings takes ~1 s to compile and
+~25 MB (xgrammar's memory_size_bytes); a small regex ~20 ms."""
+
+from __future__ import annotations
+
+import random
+import string
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, wait
+
+import pytest
+
+from batchinfer.engine.grammars import GrammarError
+from batchinfer.engine.sampling_params import StructuredOutputsParams
+from batchinfer.engine.structured import GrammarBackend
+from tests.fixtures.tiny_models import build_tokenizer
+
+
+def _choices(count: int, seed: int) -> StructuredOutputsParams:
+    rng = random.Random(seed)
+    return StructuredOutputsParams(choice=["".join(rng.choices(string.ascii_letters, k=50))
+                                           for _ in range(count)])
+
+
+@pytest.fixture
+def make_backend() -> Iterator:
+    made: list[GrammarBackend] = []
+    tokenizer = build_tokenizer()
+
+    def make(**kwargs: object) -> GrammarBackend:
+        backend = GrammarBackend(tokenizer, vocab_size=len(tokenizer), eos_token_ids={tokenizer.eos_token_id},
+                                 max_num_seqs=4, **kwargs)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def test_one_owners_slow_grammars_do_not_hold_up_another_owners(make_backend) -> None:
+    backend = make_backend(compile_workers=2)
+    slow = [backend.compile(_choices(2000, seed), owner="owner:a") for seed in range(3)]
+    quick = backend.compile(StructuredOutputsParams(regex="[a-z]+"), owner="owner:b")
+    # Before: one compile thread, first come first served: b waited for all of a's (~3 s).
+    done, _ = wait([quick, *slow], timeout=60, return_when=FIRST_COMPLETED)
+    assert quick in done and not any(f.done() for f in slow[1:])
+    assert quick.result() is not None
+    for future in slow:
+        assert future.result(timeout=60) is not None  # a's all compile in turn
+    assert backend.num_compiled == 4
+
+
+def test_a_compilation_past_its_time_errors_its_requests_and_is_not_retried(make_backend) -> None:
+    backend = make_backend(compile_timeout_s=0.05)
+    slow = _choices(3000, 7)
+    with pytest.raises(GrammarError, match=r"^compiling the choice constraint took longer than 0.05 s "
+                                           r"\(grammar_compile_timeout_seconds\); simplify it$"):
+        backend.compile(slow, owner="owner:a").result(timeout=60)
+    again = backend.compile(slow, owner="owner:a")
+    assert again.done() and isinstance(again.exception(), GrammarError)  # remembered, not compiled again
+    assert backend.compile(StructuredOutputsParams(choice=["yes", "no"]), owner="owner:b").result(timeout=60)
+
+
+def test_compiled_grammars_are_kept_within_the_byte_budget(make_backend) -> None:
+    budget = 16 << 20
+    backend = make_backend(cache_bytes=budget)
+    futures = [backend.compile(_choices(600, seed)) for seed in range(3)]
+    sizes = [future.result(timeout=60).memory_size_bytes for future in futures]
+    assert sum(sizes) > budget and max(sizes) < budget  # all three would not fit; each one does
+    assert 0 < backend.cached_bytes <= budget
+    assert backend.compile(_choices(600, 2)) is futures[2]  # the newest is kept ...
+    assert backend.compile(_choices(600, 0)) is not futures[0]  # ... the oldest was let go
