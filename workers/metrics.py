@@ -89,6 +89,7 @@ class WorkerMetrics:
         self._samples: deque[tuple[float, int]] = deque([(time.monotonic(), self._generated_tokens())])
         self._generated_at: float | None = None  # wall clock of the last sample that saw new tokens
         self.metrics_port: int | None = None
+        self.lora_adapters: list[str] = []  # the LoRA adapters this worker serves (served_models reads them)
 
     @classmethod
     def for_engine(cls, engine: Engine, registry: CollectorRegistry = REGISTRY) -> WorkerMetrics:
@@ -136,8 +137,9 @@ class WorkerMetrics:
         """The worker table's `info`: labels, metrics port, the current tokens/s (an instantaneous figure,
         over RATE_WINDOW_S) and when it last generated (unix s; the dashboard shows 0 once that is old)."""
         rate = round(self.tokens_per_second(now), 1)
+        adapters = {"lora_adapters": self.lora_adapters} if self.lora_adapters else {}
         return {**self.labels, "metrics_port": self.metrics_port, "tokens_per_second": rate,
-                "generated_at": self._generated_at}
+                "generated_at": self._generated_at, **adapters}
 
     def _sample(self, now: float | None = None) -> None:
         """Remember the token total now; keep one sample at or before the window's start, and none older

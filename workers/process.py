@@ -32,6 +32,7 @@ _process_runner: ShardRunner | None = None
 # The model this process serves; `batchinfer worker --model` sets it before the Celery worker starts.
 process_model: str | None = None
 process_engine_overrides: dict[str, Any] = {}
+process_settings: Settings | None = None  # `batchinfer worker`'s settings (LoRA flags); None: get_settings()
 # The port this process serves its metrics on (`batchinfer worker --metrics-port`); None: off.
 process_metrics_port: int | None = None
 # Set when the worker begins a warm shutdown (SIGTERM): runners stop claiming and hand shards back.
@@ -62,6 +63,7 @@ def make_runner(*, model: str, settings: Settings | None = None, engine: Engine 
     settings = settings or get_settings()
     engine = engine if engine is not None else build_engine(model, settings, **engine_overrides)
     metrics = WorkerMetrics.for_engine(engine)
+    metrics.lora_adapters = sorted(settings.lora_modules)  # advertised like models (store.workers)
     metrics.serve(port=metrics_port, host=settings.worker_metrics_host)
     sessions = session_factory(settings.effective_database_url)
     worker_id = worker_id_for(model)
@@ -77,7 +79,7 @@ def process_worker() -> ShardRunner:
     global _process_runner
     with _lock:
         if _process_runner is None:
-            settings = get_settings()
+            settings = process_settings or get_settings()
             model = process_model or settings.default_model
             _process_runner = make_runner(model=model, settings=settings, metrics_port=process_metrics_port,
                                           **process_engine_overrides)

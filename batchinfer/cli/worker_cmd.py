@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import click
 import orjson
 
+from batchinfer.cli.lora_options import check_adapters, lora_options, with_lora_settings
 from batchinfer.cli.output import emit, fail, json_option
 from batchinfer.config import get_settings
 from batchinfer.engine.config import QUANTIZATIONS
@@ -44,25 +45,30 @@ def _setup_logging(level: str) -> None:
               help="Start the ranks as local processes (mp) or as actors on a running Ray cluster (ray).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on this port (default: settings.worker_metrics_port; 0: off).")
+@lora_options
 @click.option("--log-level", default="info", show_default=True)
 @json_option("Print the start line as one JSON object on stdout (model, mode, queue, pid).")
 def worker(model: str | None, device: str | None, tensor_parallel_size: int | None, dtype: str | None,
            quantization: str | None,
            pipeline_parallel_size: int | None, distributed_executor_backend: str | None,
-           metrics_port: int | None, log_level: str, as_json: bool) -> None:
+           metrics_port: int | None, lora_modules: tuple[str, ...], max_loras: int | None,
+           max_lora_rank: int | None, max_cpu_loras: int | None, log_level: str, as_json: bool) -> None:
     """Run a long-lived worker: Celery on the model's queue with a broker, else poll the database."""
     import workers.process as process
     from batchinfer.cli.backend import LocalBackend
 
     _setup_logging(log_level)
-    settings = get_settings()
+    settings = with_lora_settings(get_settings(), lora_modules=lora_modules, max_loras=max_loras,
+                                  max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
     model = model or settings.default_model
     LocalBackend(settings)  # migrates an embedded SQLite database on first use
     options = {"device": device, "tensor_parallel_size": tensor_parallel_size, "dtype": dtype,
                "quantization": quantization, "pipeline_parallel_size": pipeline_parallel_size,
                "distributed_executor_backend": distributed_executor_backend}
     overrides = {name: value for name, value in options.items() if value}  # options given on the command line
+    check_adapters(settings, model, {**settings.engine_kwargs(), **overrides})
     process.process_model = model
+    process.process_settings = settings  # with the command line's LoRA adapters
     process.process_engine_overrides = overrides
     process.process_metrics_port = metrics_port if metrics_port is not None else settings.worker_metrics_port
     from workers.duties import presence_duty, start_duties, worker_duties
@@ -84,7 +90,8 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
         emit({"event": "worker_started", "model": model, "mode": "celery", "queue": queue_name(model),
               "pid": os.getpid()})
         try:
-            app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queue_name(model), "-n", node,
+            queues = ",".join(queue_name(name) for name in (model, *sorted(settings.lora_modules)))
+            app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queues, "-n", node,
                              f"--loglevel={log_level.upper()}", "--without-gossip", "--without-mingle"])
         finally:
             duties_stop.set()

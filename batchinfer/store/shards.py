@@ -45,6 +45,7 @@ class ShardLease:
     attempt: int
     num_requests: int
     owner: str = ""  # the job's owner: the worker salts the prefix cache with it (tenant isolation)
+    model: str = ""  # the shard's model: the job's, or a line's body.model (a served LoRA adapter's name)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def claim_shard(session: Session, *, worker_id: str, lease_seconds: float, model
              .values(status=ShardStatus.RUNNING, attempt=Shard.attempt + 1, lease_owner=worker_id,
                      lease_token=token, lease_expires_at=expires,
                      started_at=func.coalesce(Shard.started_at, now))
-             .returning(Shard.id, Shard.job_id, Shard.attempt, Shard.num_requests)
+             .returning(Shard.id, Shard.job_id, Shard.attempt, Shard.num_requests, Shard.model)
              .execution_options(synchronize_session=False))
     with write_transaction(session):
         row = session.execute(claim).first()
@@ -104,7 +105,8 @@ def claim_shard(session: Session, *, worker_id: str, lease_seconds: float, model
     if row is None:
         return None
     return ShardLease(shard_id=row.id, job_id=row.job_id, lease_token=token, lease_expires_at=expires,
-                      attempt=row.attempt, num_requests=row.num_requests, owner=owner or "")
+                      attempt=row.attempt, num_requests=row.num_requests, owner=owner or "",
+                      model=row.model)
 
 
 def heartbeat(session: Session, *, shard_id: int, lease_token: str, lease_seconds: float,

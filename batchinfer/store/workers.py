@@ -69,12 +69,15 @@ def deregister_worker(session: Session, *, worker_id: str, now: datetime | None 
 
 
 def served_models(session: Session, *, now: datetime | None = None) -> list[str]:
-    """The models live workers serve (heartbeat within WORKER_LIVE_S, not stopped), sorted, each once."""
+    """The models live workers serve (heartbeat within WORKER_LIVE_S, not stopped), sorted, each once; the
+    LoRA adapters a worker serves (its info's lora_adapters) count as models."""
     cutoff = (now or utcnow()) - timedelta(seconds=WORKER_LIVE_S)
-    models = session.scalars(select(Worker.model).distinct().where(
-        Worker.stopped_at.is_(None), Worker.last_heartbeat_at >= cutoff).order_by(Worker.model)).all()
+    rows = session.execute(select(Worker.model, Worker.info).where(
+        Worker.stopped_at.is_(None), Worker.last_heartbeat_at >= cutoff)).all()
     end_transaction(session)
-    return list(models)
+    models = {model for model, _ in rows}
+    models.update(name for _, info in rows for name in (info or {}).get("lora_adapters", ()))
+    return sorted(models)
 
 
 def list_workers(session: Session, *, live_within_seconds: float = WORKER_LIVE_S, include_dead: bool = False,

@@ -5,6 +5,7 @@ Pure Python (no torch): the CLI and the workers build it before the engine is im
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -33,3 +34,22 @@ class LoRARequest:
     def cache_key(self) -> str:
         """What the prefix-cache hash carries for this adapter (ARCHITECTURE.md, contract 5)."""
         return f"lora:{self.lora_int_id}:{self.lora_name}"
+
+
+def parse_lora_modules(values: Iterable[str]) -> dict[str, str]:
+    """NAME=PATH words (vLLM's --lora-modules) -> {name: path}; ValueError naming the bad word."""
+    modules: dict[str, str] = {}
+    for word in values:
+        name, sep, path = word.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: {word!r} is not NAME=PATH (e.g. sql=/adapters/sql-lora)")
+        if name in modules and modules[name] != path:
+            raise ValueError(f"--lora-modules: {name!r} is given twice ({modules[name]} and {path})")
+        modules[name] = path
+    return modules
+
+
+def lora_requests(modules: Mapping[str, str]) -> dict[str, LoRARequest]:
+    """The served adapters {name: path} as LoRARequests, ids 1, 2, ... in name order (stable per process)."""
+    return {name: LoRARequest(name, i, str(modules[name])) for i, name in enumerate(sorted(modules), 1)}
