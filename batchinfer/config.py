@@ -221,6 +221,13 @@ class Settings(BaseSettings):
     speculative_config: dict[str, Any] | None = Field(
         None, description='Speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4} or '
         '{"method": "draft_model", "model": "...", "num_speculative_tokens": 3}; unset: off.')
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapters served beside the model, name -> PEFT adapter "
+        "directory (--lora-modules NAME=PATH); a line runs under one with body.model = NAME.")
+    max_loras: int = Field(4, ge=1, description="LoRA adapters active in one engine step.")
+    max_lora_rank: int = Field(16, ge=1, description="The largest LoRA rank an adapter may have.")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="LoRA adapters kept loaded (least recently used evicted); unset: max_loras.")
 
     # Worker metrics: each `batchinfer worker` serves Prometheus metrics on its own port (workers.metrics).
     worker_metrics_port: int | None = Field(None, ge=0, le=65535,
@@ -315,6 +322,10 @@ class Settings(BaseSettings):
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "distributed_executor_backend": self.distributed_executor_backend,
             "speculative_config": self.speculative_config,
+            "enable_lora": bool(self.lora_modules),
+            "max_loras": self.max_loras,
+            "max_lora_rank": self.max_lora_rank,
+            "max_cpu_loras": self.max_cpu_loras,
             "grammar_compile_workers": self.grammar_compile_workers,
             "grammar_compile_timeout_s": self.grammar_compile_timeout_seconds,
             "compiled_grammar_cache_bytes": self.compiled_grammar_cache_bytes,

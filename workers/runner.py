@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from batchinfer.config import Settings
 from batchinfer.engine.errors import RankFailedError
+from batchinfer.engine.lora.request import lora_requests
 from batchinfer.store import shards as shard_store
 from batchinfer.store import workers as worker_store
 from batchinfer.store.errors import LeaseLost
@@ -71,6 +72,7 @@ class _Submitted:
     request: PendingRequest
     prompt: str | list[int]
     cache_salt: str | None = None
+    lora_request: Any = None  # the LoRARequest of an adapter shard's request, None for the model's
 
 
 @dataclass
@@ -97,6 +99,7 @@ class ShardRunner:
         self.metrics = metrics if metrics is not None else WorkerMetrics.for_engine(engine)
         self.sessions = sessions
         self.model = model
+        self.adapters = lora_requests(settings.lora_modules)  # served LoRA adapter name -> LoRARequest
         self.worker_id = worker_id
         self.settings = settings
         self.max_shards_in_flight = max(2, max_shards_in_flight)
@@ -189,8 +192,13 @@ class ShardRunner:
                     if lease is not None:
                         break
             else:
-                lease = shard_store.claim_shard(session, worker_id=self.worker_id, model=self.model,
-                                                shard_id=shard_id, lease_seconds=self.settings.lease_seconds)
+                lease = None
+                for name in (self.model, *self.adapters):  # the model's shards, then each adapter's
+                    lease = shard_store.claim_shard(session, worker_id=self.worker_id, model=name,
+                                                    shard_id=shard_id,
+                                                    lease_seconds=self.settings.lease_seconds)
+                    if lease is not None:
+                        break
             if lease is None:
                 return False
             pending = shard_store.pending_requests(session, shard_id=lease.shard_id)
@@ -211,12 +219,13 @@ class ShardRunner:
         try:  # request.params was validated at ingest; the engine still checks it against this model
             prompt = self._prompt(request)
             salt = self._cache_salt(flight.lease)
-            self.engine.add_request(engine_id, prompt, request.params, cache_salt=salt)
+            lora = self.adapters.get(flight.lease.model)  # a shard of lines naming a served adapter
+            self.engine.add_request(engine_id, prompt, request.params, cache_salt=salt, lora_request=lora)
         except (ValueError, TypeError) as exc:
             flight.buffered.append(error_row(request, "invalid_request", str(exc)))
             return
         flight.outstanding.add(engine_id)
-        self._submitted[engine_id] = _Submitted(flight.lease.shard_id, request, prompt, salt)
+        self._submitted[engine_id] = _Submitted(flight.lease.shard_id, request, prompt, salt, lora)
 
     def _run_embeddings(self, stats: RunStats) -> None:
         for done in self._embeddings.run(self._still_outstanding):
@@ -266,7 +275,8 @@ class ShardRunner:
             return tokens
         echo = (submitted.request.options or {}).get("echo")
         result = result_row(submitted.request, output, self._echo_text(submitted) if echo else "")
-        flight.buffered.append({**result, "model": self.model})  # a line's body.model may route it here
+        model = flight.lease.model if flight.lease.model in self.adapters else self.model
+        flight.buffered.append({**result, "model": model})  # a line's body.model may route it here
         stats.requests_finished += 1
         return tokens
 
@@ -390,7 +400,7 @@ class ShardRunner:
             flight = self._flights.get(submitted.shard_id)
             try:
                 self.engine.add_request(engine_id, submitted.prompt, submitted.request.params,
-                                        cache_salt=submitted.cache_salt)
+                                        cache_salt=submitted.cache_salt, lora_request=submitted.lora_request)
                 while self.engine.has_unfinished():
                     finished.extend(o for o in self.engine.step() if o.request_id == engine_id)
             except RankFailedError:
