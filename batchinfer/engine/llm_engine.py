@@ -81,6 +81,10 @@ class Engine:
             self.recorder.spec_counts = self.speculator.counts
             self.recorder.spec_metrics = SpecDecodeMetrics(self.recorder.metrics.labels,
                                                            config.speculative_config.num_speculative_tokens)
+        if config.enable_lora:
+            from batchinfer.engine.lora.metrics import LoRAMetrics
+
+            self.recorder.lora_metrics = LoRAMetrics(self.recorder.metrics.labels, config.max_loras)
         self._requests: dict[str, SequenceGroup] = {}
         # decode([token id]) per skip_special_tokens value, shared by every sequence's detokenizer
         self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}

@@ -327,6 +327,7 @@ class MetricsRecorder:
         # Under speculative decoding: the engine's SpecDecodeCounts and their SpecDecodeMetrics.
         self.spec_counts: Any = None
         self.spec_metrics: Any = None
+        self.lora_metrics: Any = None  # lora.metrics.LoRAMetrics of an engine with enable_lora
         self.prompt_tokens = self.generation_tokens = self.num_steps = 0
         self.step_prompt_tokens = self.step_generation_tokens = 0
         self._reported = (0, 0, 0)  # prefix queries, hits, preemptions already folded into the metrics
@@ -359,6 +360,8 @@ class MetricsRecorder:
         self.stat_logger.record_step(stats)
         if self.spec_metrics is not None:
             self.spec_metrics.fold(self.spec_counts)
+        if self.lora_metrics is not None:
+            self.lora_metrics.fold(scheduler)
 
     def record_finished(self, output: RequestOutput) -> None:
         """Count a finished (or aborted) request and observe its latencies."""

@@ -156,6 +156,13 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def lora_names(self) -> tuple[list[str], list[str]]:
+        """(adapters of the running sequences, adapters of the queued ones), names sorted (metrics)."""
+        running = {seq.lora_request.lora_name for seq in self.running if seq.lora_request is not None}
+        queued = [entry[3] for entry in self._waiting if not entry[3].is_finished] + list(self.preempted)
+        waiting = {seq.lora_request.lora_name for seq in queued if seq.lora_request is not None}
+        return sorted(running), sorted(waiting)
+
     def _running_loras(self) -> set[int]:
         """Ids of the adapters the running sequences use."""
         return {seq.lora_request.lora_int_id for seq in self.running if seq.lora_request is not None}

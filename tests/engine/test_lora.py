@@ -158,3 +158,21 @@ def test_engine_options_are_checked() -> None:
         EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("a", 0, "/x")
+
+
+def test_lora_requests_info_names_running_and_waiting_adapters(make_llm, tiny_llama, adapters) -> None:
+    from prometheus_client import REGISTRY
+
+    llm = make_llm(tiny_llama, enable_lora=True, max_loras=1)
+    engine = llm.engine
+    for i, name in enumerate(["a1", "a2"]):
+        lora = LoRARequest(name, i + 1, str(adapters[name]))
+        engine.add_request(f"r{i}", prompts(1)[0], GREEDY, lora_request=lora)
+    engine.add_request("base", prompts(1)[0], GREEDY)
+    engine.step()  # max_loras=1: a1 runs, a2 waits for it
+    labels = {**engine.recorder.metrics.labels, "max_lora": "1", "running_lora_adapters": "a1",
+              "waiting_lora_adapters": "a2"}
+    assert REGISTRY.get_sample_value("batchinfer:lora_requests_info", labels) > 0
+    assert [seq.request_id for seq in engine.scheduler.running] == ["r0"]
+    while engine.has_unfinished():
+        engine.step()
