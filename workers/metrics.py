@@ -74,7 +74,7 @@ class WorkerMetrics:
     """One worker's counters, bound to its engine's labels; plus the throughput its heartbeat reports."""
 
     def __init__(self, *, model_name: str, engine: str, generated_tokens: Callable[[], int] | None = None,
-                 registry: CollectorRegistry = REGISTRY) -> None:
+                 steps: Callable[[], int] | None = None, registry: CollectorRegistry = REGISTRY) -> None:
         fam = _families(registry)
         self.labels = {"model_name": model_name, "engine": engine}
         values = (model_name, engine)
@@ -88,6 +88,8 @@ class WorkerMetrics:
         # (monotonic time, tokens so far), taken at claims, writes and heartbeats: the last RATE_WINDOW_S.
         self._samples: deque[tuple[float, int]] = deque([(time.monotonic(), self._generated_tokens())])
         self._generated_at: float | None = None  # wall clock of the last sample that saw new tokens
+        self._steps = steps or (lambda: 0)  # () -> engine steps so far: a sequence's pace, one token a step
+        self._step_samples: deque[tuple[float, int]] = deque([(time.monotonic(), self._steps())])
         self.metrics_port: int | None = None
         self.lora_adapters: list[str] = []  # the LoRA adapters this worker serves (served_models reads them)
 
@@ -96,7 +98,8 @@ class WorkerMetrics:
         """Metrics labelled like `engine`'s own, reading its generated-token total for the heartbeat."""
         labels = engine.recorder.metrics.labels
         return cls(model_name=labels["model_name"], engine=labels["engine"],
-                   generated_tokens=lambda: engine.recorder.generation_tokens, registry=registry)
+                   generated_tokens=lambda: engine.recorder.generation_tokens,
+                   steps=lambda: engine.recorder.num_steps, registry=registry)
 
     def shard_claimed(self) -> None:
         """Count a shard this worker leased."""
@@ -133,6 +136,15 @@ class WorkerMetrics:
             return 0.0
         return max((last - first) / (end - start), 0.0)
 
+    def steps_per_second(self, now: float | None = None) -> float:
+        """Engine steps per second over about the last RATE_WINDOW_S: how fast one running sequence grows."""
+        now = time.monotonic() if now is None else now
+        self._step_samples.append((now, self._steps()))
+        while len(self._step_samples) > 2 and now - self._step_samples[1][0] >= RATE_WINDOW_S:
+            self._step_samples.popleft()
+        (start, first), (end, last) = self._step_samples[0], self._step_samples[-1]
+        return (last - first) / (end - start) if end > start else 0.0
+
     def heartbeat_info(self, now: float | None = None) -> dict[str, Any]:
         """The worker table's `info`: labels, metrics port, the current tokens/s (an instantaneous figure,
         over RATE_WINDOW_S) and when it last generated (unix s; the dashboard shows 0 once that is old)."""
@@ -161,15 +173,18 @@ class WorkerMetrics:
         return self.metrics_port
 
 
-def inflight_report(engine: Engine, request_ids: Iterable[str]) -> InflightReport:
-    """What the engine's generation requests among `request_ids` generated so far and may generate in all
-    (a shard heartbeat's report, store.progress; embeddings are not in the engine and count nothing)."""
-    requests = tokens = budget = 0
+def inflight_report(engine: Engine, request_ids: Iterable[str], *, steps_per_second: float) -> InflightReport:
+    """What the engine's generation requests among `request_ids` generated so far and may generate in all,
+    and how long the longest needs at `steps_per_second` (a shard heartbeat's report, store.progress;
+    embeddings are not in the engine and count nothing)."""
+    requests = tokens = budget = longest = 0
     for request_id in request_ids:
         state = engine.request_progress(request_id)
         if state is not None:
             requests, tokens, budget = requests + 1, tokens + state[0], budget + state[1]
-    return InflightReport(requests=requests, tokens=tokens, budget=budget)
+            longest = max(longest, state[1] - state[0])
+    critical = longest / steps_per_second if steps_per_second > 0 else 0.0
+    return InflightReport(requests=requests, tokens=tokens, budget=budget, critical_s=round(critical, 2))
 
 
 def serve_metrics(port: int | None, *, host: str = "0.0.0.0",

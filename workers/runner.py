@@ -322,7 +322,9 @@ class ShardRunner:
                 alive = shard_store.heartbeat(session, shard_id=shard_id,
                                               lease_token=flight.lease.lease_token,
                                               lease_seconds=self.settings.lease_seconds,
-                                              inflight=inflight_report(self.engine, flight.outstanding))
+                                              inflight=inflight_report(
+                                                  self.engine, flight.outstanding,
+                                                  steps_per_second=self.metrics.steps_per_second()))
             if not alive:  # job cancelled or expired, or the lease went to someone else
                 logger.info("shard %s stopped (job no longer in progress or lease lost)", shard_id)
                 self._abort_requests(flight)

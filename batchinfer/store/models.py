@@ -28,6 +28,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -203,6 +204,8 @@ class Shard(Base):
     inflight_requests: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     inflight_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     inflight_budget: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # ... and the seconds the longest of them needs at its engine's pace (its budget left / steps per s).
+    inflight_critical_s: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
 
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # first claim

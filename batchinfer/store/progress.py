@@ -9,10 +9,14 @@ shard row (store.shards.heartbeat). A job's progress then reads
 - generated = the tokens of finished requests (Job.completion_tokens) + those in flight;
 - throughput = generated / time since the first claim (an average: a worker's current rate is the worker
   table's);
-- remaining = the in-flight requests' budget left + the unclaimed requests' budget (at the in-flight mean
-  budget per request), both scaled by the share of their budget finished requests actually used (their
-  expected length: a model that stops at EOS uses less than max_tokens; before any finished, all of it);
-- ETA = remaining / throughput; for requests that generate nothing (embeddings), the requests' own pace.
+- remaining = the in-flight requests' budget left (they outlived the finished ones: the short requests
+  finish first) + the unclaimed requests' budget (at the in-flight mean budget per request) scaled by the
+  share of their budget finished requests used (their expected length: a model that stops at EOS uses
+  less than max_tokens; before any finished, all of it);
+- ETA = remaining / throughput, but no less than the critical path: the time the longest in-flight request
+  needs at its engine's pace (one token per step, whatever the batch: a job's tail of a few long requests
+  runs far below the average throughput); for requests that generate nothing (embeddings), the requests'
+  own pace.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class InflightReport:
     requests: int = 0  # generation requests in the engine, running or queued there
     tokens: int = 0  # tokens they have generated so far (not yet written as results)
     budget: int = 0  # the most tokens they may generate in all: n x max_tokens each, >= tokens
+    critical_s: float = 0.0  # the seconds the longest of them needs: its budget left / its engine's steps/s
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +57,13 @@ def inflight_by_job(session: Session, *, job_ids: Collection[int]) -> dict[int, 
         return {}
     rows = session.execute(
         select(Shard.job_id, func.sum(Shard.inflight_requests), func.sum(Shard.inflight_tokens),
-               func.sum(Shard.inflight_budget))
+               func.sum(Shard.inflight_budget), func.max(Shard.inflight_critical_s))
         .where(Shard.job_id.in_(sorted(job_ids)), Shard.status == ShardStatus.RUNNING)
         .group_by(Shard.job_id)).all()
     end_transaction(session)
-    return {job_id: InflightReport(int(requests or 0), int(tokens or 0), int(budget or 0))
-            for job_id, requests, tokens, budget in rows}
+    return {job_id: InflightReport(requests=int(requests or 0), tokens=int(tokens or 0),
+                                   budget=int(budget or 0), critical_s=float(critical or 0))
+            for job_id, requests, tokens, budget, critical in rows}
 
 
 def estimate(*, total: int, done: int, worker_done: int, finished_tokens: int, inflight: InflightReport,
@@ -83,6 +89,8 @@ def estimate(*, total: int, done: int, worker_done: int, finished_tokens: int, i
         return Estimate(generated, round(rate, 2), None, None)
     used = 1.0 if cap is None or mean is None else min(1.0, mean / max(cap, 1.0))
     per_request = mean if cap is None else cap * used
-    remaining = max(inflight.budget - inflight.tokens, 0) * used + unclaimed * per_request
-    eta = round(remaining / rate, 1) if rate > 0 else None
-    return Estimate(generated, round(rate, 2), round(remaining), eta)
+    # Requests still running are those that outlived the ones finished (the short ones finish first), so
+    # their budget left is expected in full; the unclaimed ones are like the finished ones.
+    remaining = max(inflight.budget - inflight.tokens, 0) + unclaimed * per_request
+    eta = max(remaining / rate, inflight.critical_s) if rate > 0 else None
+    return Estimate(generated, round(rate, 2), round(remaining), None if eta is None else round(eta, 1))

@@ -87,15 +87,25 @@ def test_in_flight_tokens_give_an_eta_before_any_request_finished() -> None:
     assert batch_object(job, now=NOW, started_at=started)["progress"]["eta_seconds"] is None
 
 
-def test_finished_requests_say_how_much_of_their_budget_the_rest_will_use() -> None:
-    # Finished requests used 20 of their 100-token budgets (they stopped at EOS): the 10 in flight (10
-    # tokens each so far) and the 10 unclaimed are expected to use a fifth of their budgets too.
+def test_finished_requests_say_how_much_of_their_budget_the_unclaimed_ones_will_use() -> None:
+    # Finished requests used 20 of their 100-token budgets (they stopped at EOS): the 10 unclaimed are
+    # expected to use a fifth of theirs too; the 10 in flight (10 tokens each so far) outlived them, so
+    # their budget left counts in full.
     measured = estimate(total=30, done=10, worker_done=10, finished_tokens=200,
                         inflight=InflightReport(requests=10, tokens=100, budget=1000), elapsed_s=10.0,
                         running=True)
     assert measured.generated_tokens == 300 and measured.tokens_per_second == 30.0
-    assert measured.remaining_tokens == round(900 * 0.2 + 10 * 100 * 0.2)  # 380
-    assert measured.eta_seconds == pytest.approx(380 / 30, abs=0.1)
+    assert measured.remaining_tokens == 900 + 10 * 100 * 0.2  # 1100
+    assert measured.eta_seconds == pytest.approx(1100 / 30, abs=0.1)
+
+
+def test_a_tail_of_long_requests_is_timed_by_its_longest_not_by_the_average_throughput() -> None:
+    # 2 requests left, 150 tokens each to go: at 300 tok/s on average that reads 1 s, but one sequence
+    # grows one token per engine step; at 20 steps/s the longest needs 7.5 s (the worker's critical_s).
+    tail = InflightReport(requests=2, tokens=100, budget=400, critical_s=7.5)
+    measured = estimate(total=40, done=38, worker_done=38, finished_tokens=2900, inflight=tail,
+                        elapsed_s=10.0, running=True)
+    assert measured.remaining_tokens == 300 and measured.eta_seconds == 7.5
 
 
 def test_rest_batch_progress_carries_the_eta_once_requests_finished(tmp_path: Path, sqlite_url: str) -> None:
