@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import orjson
@@ -13,6 +14,12 @@ from batchinfer.store.export import export_results
 from batchinfer.store.jobs import get_job, submit_job
 from tests.workers.helpers import read_lines, write_requests
 from workers.process import make_runner, run_job
+
+
+def _stored_sizes(sessions, job_id: int) -> tuple[int, int] | None:  # noqa: ANN001
+    with sessions() as session:
+        job = get_job(session, job_id=job_id)
+        return None if job.error_bytes is None else (job.output_bytes, job.error_bytes)
 
 
 def _round_trip(url: str, model: Path, tmp_path: Path) -> None:
@@ -39,6 +46,11 @@ def _round_trip(url: str, model: Path, tmp_path: Path) -> None:
         errors = b"".join(export_results(session, job_id=job.id, kind="errors"))
     lines = read_lines(out)
     assert [line["custom_id"] for line in lines] == ids  # each exactly once, in input order
+    deadline = time.monotonic() + 30  # the runner that ended the job sized its files once (GET /v1/files)
+    while (sizes := _stored_sizes(sessions, job.id)) is None:
+        assert time.monotonic() < deadline, "the runner did not store the result files' sizes"
+        time.sleep(0.02)
+    assert sizes == (len(out.read_bytes()), len(errors))
     for i, line in enumerate(lines):
         body = line["response"]["body"]
         assert line["response"]["status_code"] == 200
