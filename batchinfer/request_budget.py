@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cachetools import LRUCache
 
 from batchinfer.config import Settings
 from batchinfer.formats import LineError, NormalizedRequest
@@ -137,14 +140,18 @@ def model_shape(model: str) -> ModelShape | None:
     """The KV shape of `model` from its config.json on this machine, or None when it is not here."""
     for directory in _config_dirs(model):
         path = str(directory / "config.json")
-        shape = _SHAPES.get(path) or _read_shape(path)
+        with _SHAPES_LOCK:
+            shape = _SHAPES.get(path)
+        shape = shape or _read_shape(path)
         if shape is not None:
-            _SHAPES[path] = shape  # only found shapes: an alias converted later is read then
+            with _SHAPES_LOCK:
+                _SHAPES[path] = shape  # only found shapes: an alias converted later is read then
             return shape
     return None
 
 
-_SHAPES: dict[str, ModelShape] = {}
+_SHAPES: LRUCache[str, ModelShape] = LRUCache(maxsize=256)  # a few hundred bytes each: bounded by count
+_SHAPES_LOCK = threading.Lock()  # the API ingests on several threads
 
 
 def _config_dirs(model: str) -> list[Path]:

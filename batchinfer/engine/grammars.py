@@ -318,45 +318,59 @@ def _keyword_rules(schema: dict[str, Any], path: str) -> str | None:
 # Verdicts of checked constraints by digest: "" (usable) or the error. Keyed by a hash, so an entry costs
 # its error text, not the constraint's (a 750 KB choice list is 32 bytes here); bounded in bytes.
 CHECK_CACHE_BYTES = 4 << 20
+# Below this size a constraint (within the depth budget) converts in milliseconds: checked inline, no
+# helper thread (a file of distinct small constraints must not pay a thread start per line).
+INLINE_CHECK_BYTES = 16 << 10
 _CHECKED: LRUCache[bytes, str] = LRUCache(maxsize=CHECK_CACHE_BYTES, getsizeof=lambda error: 160 + len(error))
 _CHECKED_LOCK = threading.Lock()
 
 
 def _timed_check(kind: str, text: str, any_whitespace: bool, budget: GrammarBudget) -> None:
-    """Parse the constraint once per distinct text, on a helper thread, for at most budget.timeout_s."""
+    """Parse the constraint once per distinct text; a large one on a helper thread, for at most
+    budget.timeout_s (a timeout is not remembered: another budget may allow it)."""
     key = hashlib.sha256(f"{kind}\0{any_whitespace}\0{text}".encode("utf-8", "surrogatepass")).digest()
     with _CHECKED_LOCK:
         verdict = _CHECKED.get(key)
     if verdict is None:
-        verdict = _run_check(kind, text, any_whitespace, budget.timeout_s)
+        if len(text) <= INLINE_CHECK_BYTES:
+            verdict = _convert(kind, text, any_whitespace)
+        else:
+            verdict = _within(budget.timeout_s, _convert, kind, text, any_whitespace)
+            if verdict is None:
+                raise GrammarError(f"converting the {kind} constraint took longer than "
+                                   f"{budget.timeout_s:g} s (grammar_compile_timeout_seconds); simplify it")
         with _CHECKED_LOCK:
             _CHECKED[key] = verdict
     if verdict:
         raise GrammarError(verdict)
 
 
-def _run_check(kind: str, text: str, any_whitespace: bool, timeout_s: float) -> str:
-    """"" when the constraint converts in time, else the error. xgrammar releases the GIL while it
-    converts; a conversion past its time finishes on its daemon thread (bounded by the size budget)."""
-    done: Future[None] = Future()
-
-    def convert() -> None:
-        try:
-            value = json.loads(text) if kind in ("json", "choice") else text
-            build_grammar(kind, value, any_whitespace=any_whitespace)
-            done.set_result(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-            done.set_exception(exc)
-
-    threading.Thread(target=convert, name="batchinfer-grammar-check", daemon=True).start()
+def _convert(kind: str, text: str, any_whitespace: bool) -> str:
+    """"" when the constraint becomes a grammar, else why not."""
     try:
-        done.result(timeout=timeout_s)
-    except FutureTimeout:
-        return (f"converting the {kind} constraint took longer than {timeout_s:g} s "
-                "(grammar_compile_timeout_seconds); simplify it")
+        build_grammar(kind, json.loads(text) if kind in ("json", "choice") else text,
+                      any_whitespace=any_whitespace)
     except GrammarError as exc:
         return str(exc)
     return ""
+
+
+def _within(timeout_s: float, function: Any, *args: Any) -> Any:
+    """function(*args) on a daemon thread, or None when it takes longer than timeout_s. xgrammar releases
+    the GIL while it converts; a conversion past its time finishes alone (bounded by the size budget)."""
+    done: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(function(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="batchinfer-grammar-check", daemon=True).start()
+    try:
+        return done.result(timeout=timeout_s)
+    except FutureTimeout:
+        return None
 
 
 def _clean(exc: Exception) -> str:

@@ -172,3 +172,14 @@ def test_ingest_turns_every_line_into_a_row_and_never_fails_the_job(fuzz_db: str
         row = by_line[number]
         if isinstance(expected, LineError):
             assert row.status == RequestStatus.ERRORED and row.error_message.startswith(f"line {number}: ")
+
+
+def test_a_constraint_converting_past_the_time_budget_is_its_lines_error(sqlite_db: str) -> None:
+    limits = IngestLimits.from_settings(Settings(grammar_compile_timeout_seconds=0.001), "m")
+    wide = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(3000)]}
+    lines = [_line("slow", guided_json=wide), _line("ok", guided_choice=["yes", "no"])]  # ~0.3 s; instant
+    with session_factory(sqlite_db)() as session:
+        job = submit_job(session, model="m", stream=io.BytesIO(b"\n".join(lines) + b"\n"), limits=limits)
+    assert [e["line"] for e in job.errors] == [1]
+    assert job.errors[0]["message"] == ("line 1: body.guided_json: converting the json constraint took longer "
+                                        "than 0.001 s (grammar_compile_timeout_seconds); simplify it")
