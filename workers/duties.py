@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from batchinfer.config import Settings
 from batchinfer.store.db import exclusive, session_factory
 from batchinfer.store.jobs import expire_jobs
+from batchinfer.store.result_files import record_result_sizes
 from batchinfer.store.retention import purge
 from batchinfer.store.workers import WORKER_LIVE_S
 from workers import cron
@@ -74,6 +75,8 @@ def expiry_duty(settings: Settings) -> Duty:
     def expire() -> None:
         with session_factory(settings.effective_database_url)() as session:
             expired = expire_jobs(session)
+            for job_id in expired:  # their output / error files exist now: size them once (GET /v1/files)
+                record_result_sizes(session, job_id=job_id)
         if expired:
             logger.info("expired jobs %s (completion window passed)", expired)
 

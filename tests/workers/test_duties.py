@@ -79,3 +79,30 @@ def test_an_idle_celery_worker_stays_listed_through_its_presence_duty(sqlite_url
     with sessions() as session:
         (worker,) = list_workers(session)
     assert worker.live and worker.last_heartbeat_at > registered
+
+
+def test_the_expiry_duty_stores_the_expired_jobs_file_sizes(sqlite_url: str, tmp_path) -> None:  # noqa: ANN001
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from batchinfer.store.db import session_factory, upgrade
+    from batchinfer.store.export import export_results
+    from batchinfer.store.jobs import get_job
+    from batchinfer.store.models import Job, utcnow
+    from tests.store.helpers import chat_line, jsonl, submit_job
+    from workers.duties import expiry_duty
+
+    upgrade(sqlite_url)
+    sessions = session_factory(sqlite_url)
+    with sessions() as session:
+        job = submit_job(session, stream=jsonl(*(chat_line(f"q{i}", "hi") for i in range(3))), model="m")
+        past = utcnow() - timedelta(seconds=1)
+        session.execute(update(Job).where(Job.id == job.id).values(expires_at=past))
+        session.commit()
+    expiry_duty(Settings(database_url=sqlite_url, data_dir=tmp_path)).run()
+    with sessions() as session:
+        expired = get_job(session, job_id=job.id)
+        errors = b"".join(export_results(session, job_id=job.id, kind="errors"))
+    assert expired.status == "expired" and b"batch_expired" in errors
+    assert (expired.output_bytes, expired.error_bytes) == (0, len(errors))  # GET /v1/files reads these
