@@ -42,7 +42,7 @@ from batchinfer.store.jobs import (
 )
 from batchinfer.store.models import JOB_TERMINAL_STATUSES, File, Job
 from batchinfer.store.progress import inflight_by_job
-from batchinfer.store.quotas import QuotaExceeded, check_job_quotas, reserve_job
+from batchinfer.store.quotas import check_job_quotas, reserve_job
 from batchinfer.store.result_files import record_result_sizes_in_background
 from batchinfer.store.serialize import batch_object, current_batch_object, parse_batch_id, parse_file_id
 from batchinfer.store.timeline import first_claims
@@ -103,7 +103,7 @@ def _submit(factory: sessionmaker[Session], settings: Settings, kwargs: dict[str
     with factory() as session:
         try:
             job = submit_and_announce(session=session, settings=settings, **kwargs)
-        except (JobError, QuotaExceeded):
+        except JobError:  # QuotaExceeded included: the create answers 429 / 400, no job was made
             raise
         except Exception:
             logger.exception("ingest of %s failed", kwargs.get("path"))
