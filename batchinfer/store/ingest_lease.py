@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from batchinfer.store.db import write_transaction
 from batchinfer.store.models import Job, JobStatus, Request, utcnow
+from batchinfer.store.quotas import charge_storage
 from batchinfer.store.transitions import lock_job
 
 INGEST_LOST = "ingest_lost"  # the error code of a job whose submit died mid-ingest
@@ -158,6 +159,8 @@ def fail_lost_ingests(session: Session, *, now: datetime | None = None,
         if not (expired or died):
             continue
         session.execute(delete(Request).where(Request.job_id == job.id))
+        charge_storage(session, owner=job.owner, delta=-job.request_bytes)  # the owner's bytes again
+        job.request_bytes = 0
         message = lost_ingest_message(job.ingest_owner, died=died)
         job.errors = [{"code": INGEST_LOST, "message": message, "line": None, "param": None}]
         job.num_errors, job.status, job.failed_at = 1, JobStatus.FAILED, now

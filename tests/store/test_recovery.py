@@ -149,3 +149,15 @@ def test_expiry_is_single_flight_and_idempotent(session, make_session, db_url):
 @pytest.mark.parametrize("owner", [None, "", "no-colons", "host:notapid:x"])
 def test_owner_gone_is_false_when_it_cannot_tell(owner):
     assert not owner_gone(owner)
+
+
+def test_a_lost_ingest_gives_its_request_bytes_back_to_the_owner(session):
+    from batchinfer.store.quotas import charge_storage, stored_bytes
+
+    job = _wedged_job(session, owner="elsewhere:4242:abcd", lease_left_s=-1)
+    with write_transaction(session):  # what reserve_job charged when the API created it
+        session.execute(update(Job).where(Job.id == job.id).values(request_bytes=100))
+        charge_storage(session, owner=job.owner, delta=100)
+    assert stored_bytes(session, owner=job.owner) == 100
+    assert rescue_expired(session).lost_ingests == [job.id]
+    assert stored_bytes(session, owner=job.owner) == 0 and get_job(session, job_id=job.id).request_bytes == 0
