@@ -4,7 +4,7 @@
 kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
 """
 
-from kernels.reference import paged_attention_ref, rms_norm_ref, store_kvcache_ref
+from kernels.reference import lora_bgmv_ref, paged_attention_ref, rms_norm_ref, store_kvcache_ref
 
 try:
     import triton  # noqa: F401
@@ -20,17 +20,21 @@ except ImportError as _exc:  # CPU-only install: keep the twins importable, fail
         stub.__name__ = name
         return stub
 
+    lora_bgmv = _needs_triton("lora_bgmv")
     paged_attention = _needs_triton("paged_attention")
     rms_norm = _needs_triton("rms_norm")
     store_kvcache = _needs_triton("store_kvcache")
 else:
     TRITON_AVAILABLE = True
+    from kernels.lora import lora_bgmv
     from kernels.paged_attention import paged_attention
     from kernels.rmsnorm import rms_norm
     from kernels.store_kvcache import store_kvcache
 
 __all__ = [
     "TRITON_AVAILABLE",
+    "lora_bgmv",
+    "lora_bgmv_ref",
     "paged_attention",
     "paged_attention_ref",
     "rms_norm",

@@ -102,3 +102,23 @@ def rms_norm_ref(
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = (weight * normed).to(x.dtype)
     return y if residual is None else (y, residual)
+
+
+def lora_bgmv_ref(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a_stack: torch.Tensor,
+    b_stack: torch.Tensor,
+    slot_index: torch.Tensor,
+) -> torch.Tensor:
+    """out[t] += (x[t] @ a_stack[s].T) @ b_stack[s].T with s = slot_index[t] (in place); s < 0: nothing.
+
+    x [T, in], out [T, out_features], a_stack [slots, R, in], b_stack [slots, out_features, R] (an adapter
+    of a smaller rank is zero-padded to R, scaling folded into b), slot_index [T] int. The shrink product is
+    kept in float32 and rounded once to x's dtype, as the kernel does.
+    """
+    for slot in torch.unique(slot_index[slot_index >= 0]).tolist():
+        rows = (slot_index == slot).nonzero().flatten()
+        shrunk = (x[rows].float() @ a_stack[slot].float().T).to(x.dtype)
+        out.index_add_(0, rows, (shrunk.float() @ b_stack[slot].float().T).to(out.dtype))
+    return out

@@ -16,7 +16,7 @@ from cachetools import LRUCache
 from torch import nn
 
 from batchinfer.engine.lora.adapter import TARGET_MODULES, LoRAAdapter, LoRAError, load_adapter
-from batchinfer.engine.lora.layers import LoRABatch, build_lora_batch
+from batchinfer.engine.lora.layers import LoRABatch, StackCache, build_lora_batch
 from batchinfer.engine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ class LoRAManager:
         self.loaded: LRUCache[int, LoRAAdapter] = LRUCache(maxsize=max_cpu_loras)
         self._identities: dict[int, tuple[str, str]] = {}  # lora_int_id -> (name, path) first seen
         self.num_loads = 0
+        self.stacks = StackCache() if device.type == "cuda" and _triton_available() else None
 
     def attach(self, model: nn.Module) -> int:
         """Mark the model's adaptable linear layers with their adapter key; returns how many."""
@@ -73,4 +74,10 @@ class LoRAManager:
         if not any(requests):
             return None
         adapters = [None if request is None else self.add(request) for request in requests]
-        return build_lora_batch(adapters, [n for _, n in scheduled], self.device)
+        return build_lora_batch(adapters, [n for _, n in scheduled], self.device, self.stacks)
+
+
+def _triton_available() -> bool:
+    import kernels
+
+    return kernels.TRITON_AVAILABLE
