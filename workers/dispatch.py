@@ -86,10 +86,25 @@ def submit_and_announce(*, session: Session, settings: Settings, app: Celery | N
         return job
     try:
         announce_job(session=session, job_id=job.id, app=app if app is not None else get_app())
-    except Exception:  # the broker is down or unreachable; the database already holds the job
-        logger.exception("job %s is saved but its shards could not be announced on the broker; the next "
-                         "rescue pass (beat, or a worker starting) announces them", job.id)
+    except Exception as exc:  # the broker is down or unreachable; the database already holds the job
+        logger.warning("job %s is saved but its shards could not be announced on the broker (%s); the next "
+                       "rescue pass (beat, or a worker starting) announces them", job.id, exc)
     return job
+
+
+def broker_problem(url: str, *, timeout_s: float = 3.0) -> str | None:
+    """One line saying why the broker at `url` cannot be reached within `timeout_s`, or None when it can."""
+    from kombu import Connection
+
+    from batchinfer.config import mask_url_password
+
+    try:
+        with Connection(url, connect_timeout=timeout_s) as connection:
+            connection.ensure_connection(max_retries=1, interval_start=0, interval_step=0, timeout=timeout_s)
+    except Exception as exc:  # kombu's OperationalError, a bad URL, a timeout
+        return (f"broker {mask_url_password(url)} is unreachable ({exc}); start it, or unset "
+                "BATCHINFER_BROKER_URL to work without one (`batchinfer run FILE -o OUT`)")
+    return None
 
 
 def rescue_and_redispatch(*, app: Celery, settings: Settings | None = None,

@@ -42,18 +42,28 @@ _COMMANDS: list[tuple[str, str]] = [
     ("batchinfer.cli.schedule_cmd", "scheduler"),
     ("batchinfer.cli.api_cmd", "api"),
     ("batchinfer.cli.apikey_cmd", "apikey"),
+    ("batchinfer.cli.kernels_cmd", "build_kernels"),
 ]
 
 
 class BatchinferGroup(click.Group):
-    """The main group: bad settings are one error line (exit 1), and under --json every error, click's
-    usage errors included, is one JSON object on stderr with the exit code it has without --json."""
+    """The main group: bad settings and the failures of cli/failures.py are one error line (exit 1), and
+    under --json every error, click's usage errors included, is one JSON object on stderr with the exit
+    code it has without --json."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except ConfigError as exc:
             show_error(str(exc), exit_code=EXIT_ERROR, type="config_error")
+            sys.exit(EXIT_ERROR)
+        except Exception as exc:  # a failure the user can fix is one line (cli/failures.py), a bug is not
+            from batchinfer.cli.failures import describe_failure
+
+            message = describe_failure(exc)
+            if message is None:
+                raise
+            show_error(message, exit_code=EXIT_ERROR)
             sys.exit(EXIT_ERROR)
 
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,

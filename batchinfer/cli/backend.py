@@ -75,20 +75,32 @@ class LocalBackend:
 
     def submit(self, path: Path, *, model: str, shard_size: int | None, priority: int,
                metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
-               completion_window: str | None) -> dict[str, Any]:
-        """Ingest `path` as a job and announce its shards when a broker is configured."""
+               completion_window: str | None, served_names: frozenset[str] | None = None) -> dict[str, Any]:
+        """Ingest `path` as a job and announce its shards when a broker is configured (`served_names`:
+        the job runs in this process, see store.line_models)."""
         from batchinfer.store.errors import JobError  # a bad argument (window, metadata, on_invalid, ...)
-        from workers.dispatch import submit_and_announce
+        from workers.dispatch import broker_problem, submit_and_announce
 
+        problem = broker_problem(self.settings.broker_url) if self.settings.broker_url else None
+        if problem:  # refused before the job exists: no job waits on a broker nobody will reach
+            raise BackendError(problem)
         with self.sessions() as session:
             try:
                 job = submit_and_announce(session=session, settings=self.settings, path=path, model=model,
                                           owner=LOCAL_OWNER, shard_size=shard_size, priority=priority,
                                           metadata=metadata, idempotency_key=idempotency_key,
-                                          on_invalid=on_invalid, completion_window=completion_window)
+                                          on_invalid=on_invalid, completion_window=completion_window,
+                                          served_names=served_names)
             except JobError as exc:
                 raise BackendError(str(exc)) from None
             return self._batch(job, session)
+
+    def fail_unstarted(self, batch_id: str, message: str) -> None:
+        """Mark a job failed whose runner never started in this process (`batchinfer run`)."""
+        from batchinfer.store.jobs import fail_unstarted_job
+
+        with self.sessions() as session:
+            fail_unstarted_job(session, job_id=self._job_id(batch_id), code="engine_error", message=message)
 
     def get(self, batch_id: str, *, patient: bool = False, within_s: float | None = None) -> dict[str, Any]:
         """The batch object of one job, whoever owns it (`patient` and `within_s` matter only to a server)."""

@@ -152,11 +152,13 @@ def _with_submit_options(func: Any) -> Any:
               help="With --wait: write the results here.")
 @click.option("--errors", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --wait: write the error lines here.")
+@click.option("--quiet", "-q", is_flag=True,
+              help="Print only the batch id: ID=$(batchinfer submit -q f.jsonl); the exit code tells more.")
 @json_option("Print the batch object as JSON (with --wait: the submitted one, then the final one).")
 def submit(file: Path, model: str | None, shard_size: int | None, priority: int, metadata: tuple[str, ...],
            idempotency_key: str | None, on_invalid: str, completion_window: str | None, wait: bool,
            timeout: float | None, update_interval: float, output: Path | None, errors: Path | None,
-           as_json: bool) -> None:
+           quiet: bool, as_json: bool) -> None:
     """Submit a JSONL file of requests as a batch job; prints its batch id (with --wait, first)."""
     input_file(file)
     settings = cli_settings()
@@ -168,14 +170,22 @@ def submit(file: Path, model: str | None, shard_size: int | None, priority: int,
                                priority=priority, metadata=_metadata(metadata),
                                idempotency_key=idempotency_key, on_invalid=on_invalid,
                                completion_window=completion_window)
+        if quiet and not as_json:
+            click.echo(batch["id"])  # the bare id, first, whatever follows
         if wait:
-            _print_batch(batch, as_json)  # the id first: a wait cut short still says which job it was
-            batch = _wait(backend, batch, timeout=timeout, quiet=as_json, update_interval=update_interval)
+            if not quiet or as_json:
+                _print_batch(batch, as_json)  # the id first: a wait cut short still says which job it was
+            batch = _wait(backend, batch, timeout=timeout, quiet=as_json or quiet,
+                          update_interval=update_interval)
             if output is not None:
                 _export(backend, batch["id"], output, errors)
     except BackendError as exc:
         _fail(str(exc))
-    _print_batch(batch, as_json)
+    if not quiet or as_json:
+        _print_batch(batch, as_json)
+    elif batch["status"] == "failed":  # the why, beside the id, for the person reading stderr
+        for error in ((batch.get("errors") or {}).get("data") or [])[:3]:
+            click.echo(f"error: {error['message']}", err=True)
     if wait or batch["status"] == "failed":
         sys.exit(exit_code_for(batch))
 

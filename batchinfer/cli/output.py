@@ -12,6 +12,7 @@ job failed; 5 it was cancelled; 6 it expired; 7 --wait timed out.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -70,6 +71,16 @@ def emit(value: dict[str, Any], text: str | None = None, *, err: bool = False) -
         click.echo(dumps(value), err=err)
     elif text is not None:
         click.echo(text, err=err)
+
+
+def stdout_to_stderr() -> None:
+    """From now on, whatever this process writes to stdout goes to stderr (fd 1 becomes fd 2).
+
+    For long-running commands under --json: after their JSON start line, the libraries they hand over to
+    (Celery's banner and shutdown lines write to sys.__stdout__) cannot break a script reading stdout.
+    """
+    sys.stdout.flush()
+    os.dup2(2, 1)
 
 
 def error_object(message: str, *, exit_code: int, type: str = "error") -> dict[str, Any]:  # noqa: A002

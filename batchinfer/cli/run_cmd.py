@@ -3,10 +3,17 @@
 It takes the file as an argument or the way `vllm run-batch` users type it
 (`batchinfer run -i in.jsonl -o out.jsonl --model M`), and `--errors-in-output` writes the error lines
 into the results file, in input order, as vLLM does (by default they go to a file of their own).
+vLLM's engine flags (`--dtype`, `--max-model-len`, `--tensor-parallel-size`, `--pipeline-parallel-size`,
+`--quantization`) set the engine's knobs, and `--served-model-name NAME` lets lines whose body.model is
+NAME run on the model; a line naming any other model errors alone (`model_not_found`), as vLLM answers it.
+
+The model, the device and the engine knobs are checked before the job exists (one line, exit 1); an
+engine that still cannot start fails its job (exit 4) rather than leaving it in_progress for its window.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -14,9 +21,11 @@ import click
 import orjson
 
 from batchinfer.cli.jobs import _metadata, _print_batch, _with_submit_options, exit_code_for
-from batchinfer.cli.output import dumps, fail, input_file, json_option
+from batchinfer.cli.output import EXIT_FAILED, dumps, fail, input_file, json_option
 from batchinfer.cli.progress import JobProgress
 from batchinfer.cli.result_files import default_errors_path, write_error_lines, write_lines
+
+logger = logging.getLogger("batchinfer.cli")
 
 
 @click.command()
@@ -31,11 +40,25 @@ from batchinfer.cli.result_files import default_errors_path, write_error_lines, 
               help="Write error lines into OUTPUT too, in input order (as `vllm run-batch` does).")
 @_with_submit_options
 @click.option("--device", default=None, help="cpu, cuda, cuda:N (default: settings.device).")
+@click.option("--dtype", default=None, help="auto, float32, bfloat16, float16 (vLLM's half, float too; "
+              "default: settings.dtype).")
+@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+              help="Context length (default: the model's).")
+@click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=None,
+              help="Ranks each layer is split across (default: settings.tensor_parallel_size).")
+@click.option("--pipeline-parallel-size", "-pp", type=click.IntRange(min=1), default=None,
+              help="Stages of layers (default: settings.pipeline_parallel_size).")
+@click.option("--quantization", type=click.Choice(["int8", "gguf"]), default=None,
+              help="int8 or gguf weights on CPU (default: settings.quantization).")
+@click.option("--served-model-name", multiple=True, metavar="NAME",
+              help="Another name of the model: lines whose body.model is NAME run on it (repeatable).")
 @click.option("--show", type=int, default=0, help="Print the first N results when done.")
 @json_option("Print the final batch object as JSON.")
 def run(file: Path | None, input_path: Path | None, output: Path, errors: Path | None, errors_in_output: bool,
         model: str | None, shard_size: int | None, priority: int, metadata: tuple[str, ...],
         idempotency_key: str | None, on_invalid: str, completion_window: str | None, device: str | None,
+        dtype: str | None, max_model_len: int | None, tensor_parallel_size: int | None,
+        pipeline_parallel_size: int | None, quantization: str | None, served_model_name: tuple[str, ...],
         show: int, as_json: bool) -> None:
     """Run a JSONL file end to end in this process: submit, infer, export (no broker needed)."""
     from batchinfer.cli.backend import BackendError, LocalBackend
@@ -52,19 +75,31 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
     input_file(source)
     settings = cli_settings()
     model = model or settings.default_model
+    overrides = {name: value for name, value in (
+        ("device", device), ("dtype", dtype), ("max_model_len", max_model_len),
+        ("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size),
+        ("quantization", quantization)) if value is not None}
+    if not as_json:
+        click.echo(f"loading {model} ...", err=True)
+    _check_engine(model, settings.engine_kwargs() | overrides)
     backend = LocalBackend(settings)
     try:
         batch = backend.submit(source, model=model, shard_size=shard_size, priority=priority,
                                metadata=_metadata(metadata), idempotency_key=idempotency_key,
-                               on_invalid=on_invalid, completion_window=completion_window)
+                               on_invalid=on_invalid, completion_window=completion_window,
+                               served_names=frozenset(served_model_name))
     except BackendError as exc:
         fail(str(exc))
     if batch["status"] == "in_progress":
         if not as_json:
-            click.echo(f"{batch['id']}: {batch['request_counts']['total']} requests; loading {model} ...",
-                       err=True)
-        overrides = {"device": device} if device else {}
-        runner = make_runner(model=model, settings=settings, **overrides)
+            click.echo(f"{batch['id']}: {batch['request_counts']['total']} requests", err=True)
+        try:
+            runner = make_runner(model=model, settings=settings, **overrides)
+        except Exception as exc:  # e.g. unreadable weights: the job fails, with the reason, not in_progress
+            logger.debug("the engine could not start", exc_info=True)
+            message = _startup_failure(exc)
+            backend.fail_unstarted(batch["id"], message)
+            fail(f"{batch['id']} failed: {message}", code=EXIT_FAILED)
         counts = batch["request_counts"]
         with JobProgress(total=counts["total"], done=counts["completed"] + counts["failed"],
                          enabled=not as_json, label=batch["id"]) as bar:
@@ -90,6 +125,28 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
                    + (f"; errors: {errors} ({failed} lines)" if failed else ""))
         _show(output, show)
     sys.exit(exit_code_for(batch))
+
+
+def _check_engine(model: str, engine_kwargs: dict) -> None:
+    """Exit 1 with one line unless `model` resolves here and the engine knobs are valid for it (cheap:
+    the model's config is read, no weight is loaded)."""
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.resolved_model import resolve_model
+
+    try:
+        config = EngineConfig(model=model, **engine_kwargs)
+        config.resolved_device()  # DeviceUnavailableError: a CUDA device this torch or machine lacks
+        resolve_model(config, with_tokenizer=False)  # ModelNotFoundError; max_model_len vs the model
+    except (ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
+
+
+def _startup_failure(exc: BaseException) -> str:
+    """One line saying why the engine could not start."""
+    from batchinfer.cli.failures import describe_failure
+
+    detail = " ".join(str(exc).split())[:300]
+    return describe_failure(exc) or f"the engine could not start: {type(exc).__name__}: {detail}"
 
 
 def _show(path: Path, count: int) -> None:

@@ -16,7 +16,7 @@ import click
 import orjson
 
 from batchinfer.cli.lora_options import check_adapters, lora_options, with_lora_settings
-from batchinfer.cli.output import emit, fail, json_option
+from batchinfer.cli.output import emit, fail, json_option, stdout_to_stderr
 from batchinfer.config import get_settings
 from batchinfer.engine.config import QUANTIZATIONS
 from batchinfer.engine.errors import RankFailedError
@@ -34,7 +34,8 @@ def _setup_logging(level: str) -> None:
               help="The model this worker serves (default: settings.default_model).")
 @click.option("--device", default=None, help="cpu, cuda, cuda:N (default: settings.device).")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None, help="GPUs per engine.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "half", "float"]),
+              default=None,
               help="Weights and activations (default: settings.dtype; auto: bf16 where the CPU has it).")
 @click.option("--quantization", type=click.Choice(list(QUANTIZATIONS)), default=None,
               help="int8: int8 weights and dynamic int8 GEMMs on CPU; gguf: a .gguf model's own "
@@ -89,6 +90,8 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
         node = f"batchinfer-{os.path.basename(model)}-{os.getpid()}@%h"
         emit({"event": "worker_started", "model": model, "mode": "celery", "queue": queue_name(model),
               "pid": os.getpid()})
+        if as_json:
+            stdout_to_stderr()  # Celery's banner and shutdown lines: stdout stays the one JSON line
         try:
             queues = ",".join(queue_name(name) for name in (model, *sorted(settings.lora_modules)))
             app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queues, "-n", node,
@@ -113,6 +116,8 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
     emit({"event": "worker_started", "model": model, "mode": "poll", "database_url": database,
           "pid": os.getpid()}, None if as_json else f"worker for {model}: polling {database} (no broker)",
          err=not as_json)
+    if as_json:
+        stdout_to_stderr()
     start_duties(worker_duties(settings), stop=duties_stop)
     try:
         process.poll_forever(runner, stop=stop)
@@ -179,6 +184,8 @@ def beat(log_level: str, as_json: bool) -> None:
          None if as_json else f"beat: rescue every {settings.effective_rescue_interval_s:g}s, expiry every "
          f"{settings.expiry_sweep_seconds:g}s, schedule tick every {settings.schedule_tick_seconds:g}s",
          err=not as_json)
+    if as_json:
+        stdout_to_stderr()  # Celery's banner and shutdown lines: stdout stays the one JSON line
     try:
         app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", CONTROL_QUEUE,
                          "-n", f"batchinfer-control-{os.getpid()}@%h", f"--loglevel={log_level.upper()}",

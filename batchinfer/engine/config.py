@@ -14,12 +14,47 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's other spellings of a dtype (its --dtype choices); anything else is refused with the valid list.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # EngineConfig.quantization values besides None (layers/weight_packing.py): int8 weights (fbgemm), or a
 # GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks (layers/gguf_weights.py)
 QUANTIZATIONS = ("int8", "gguf")
 EXECUTOR_BACKENDS = ("mp", "ray")  # how the ranks of a parallel engine start: local processes, Ray actors
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def canonical_dtype(value: object) -> str:
+    """`value` as one of DTYPES (vLLM's "half" / "float" accepted); ValueError naming the valid ones."""
+    name = DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+    if name not in DTYPES:
+        raise ValueError(f"dtype: must be one of {', '.join(DTYPES)} (or vLLM's half, float); got {value!r}")
+    return name
+
+
+def check_device(value: object) -> str:
+    """`value` when it names a device batchinfer runs on; ValueError listing the valid forms otherwise."""
+    if not isinstance(value, str) or not _DEVICE_PATTERN.match(value):
+        raise ValueError(f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {value!r}")
+    return value
+
+
+def require_device(device: str) -> None:
+    """Raise DeviceUnavailableError when `device` is CUDA and this torch has no usable CUDA device."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    from batchinfer.engine.errors import DeviceUnavailableError
+
+    if torch.version.cuda is None:
+        raise DeviceUnavailableError(f"device {device!r}: this torch ({torch.__version__}) is a CPU build "
+                                     "without CUDA; use --device cpu (or auto), or install a CUDA torch")
+    count = torch.cuda.device_count()
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        raise DeviceUnavailableError(f"device {device!r}: {count} CUDA device(s) visible here; use "
+                                     "--device cpu, or a cuda:N below that count")
 
 
 @dataclass
@@ -82,10 +117,8 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
-        if not isinstance(self.device, str) or not _DEVICE_PATTERN.match(self.device):
-            raise ValueError(f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {self.device!r}")
+        self.dtype = canonical_dtype(self.dtype)
+        check_device(self.device)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization: must be None or one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}"
@@ -132,8 +165,13 @@ class EngineConfig:
         return [f.name for f in fields(cls)]
 
     def resolved_device(self) -> str:
-        """The concrete device: "auto" becomes "cuda" when CUDA is available, else "cpu"."""
+        """The concrete device: "auto" becomes "cuda" when CUDA is available, else "cpu".
+
+        An explicit CUDA device this process lacks is a DeviceUnavailableError (one line), not torch's
+        assertion deep inside the model load.
+        """
         if self.device != "auto":
+            require_device(self.device)
             return self.device
         import torch
 

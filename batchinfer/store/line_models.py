@@ -4,6 +4,10 @@
 default model. With no live worker registered, a line's model is accepted as given: its shards wait for
 a worker of that model (or expire with the job) rather than every line being refused. A line naming a
 model that is not served errors alone with code `model_not_found`, naming the models served.
+
+A job run in one process (`batchinfer run`) serves only its model, under that name and its
+`--served-model-name`s (vLLM's flag): a line naming one of those runs on the job's model, any other is
+`model_not_found` (as vLLM answers that request), whatever workers are live.
 """
 
 from __future__ import annotations
@@ -29,22 +33,27 @@ class ModelRouting:
     default: str  # the job's model: lines without body.model (or naming it) run on it
     served: frozenset[str] | None  # models a line may name; None: no live worker at ingest, any name goes
     line_models: dict[int, str] = field(default_factory=dict)  # line number -> model, off-default lines only
+    aliases: frozenset[str] = frozenset()  # other names of the default model (vLLM's --served-model-name)
 
     @classmethod
-    def at_ingest(cls, session: Session, *, default: str) -> ModelRouting:
-        """The routing of a job of `default` submitted now, from the worker registry."""
+    def at_ingest(cls, session: Session, *, default: str,
+                  served_names: frozenset[str] | None = None) -> ModelRouting:
+        """The routing of a job of `default` submitted now: from the worker registry, or, when
+        `served_names` is given (a job run in this process), only `default` under those names."""
+        if served_names is not None:
+            return cls(default, served_names | {default}, aliases=served_names)
         served = served_models(session)
         return cls(default, frozenset(served) | {default} if served else None)
 
-    def route(self, model: str | None, line_number: int) -> None:
+    def route(self, model: str | None, line_number: int, *, custom_id: str | None = None) -> None:
         """Record the model of a line; raises LineError (model_not_found) when no worker serves it."""
-        if model is None or model == self.default:
+        if model is None or model == self.default or model in self.aliases:
             return
         if self.served is not None and model not in self.served:
             names = ", ".join(sorted(self.served))
             raise LineError(f"body.model: model {model!r} is not served; served models: {names} (use one of "
                             "them, or leave model out to use the job's model)", code=MODEL_NOT_FOUND,
-                            param="body.model")
+                            param="body.model", custom_id=custom_id)
         self.line_models[line_number] = model
 
     def split(self, ordered_lines: np.ndarray) -> list[tuple[str, np.ndarray]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from batchinfer.engine.layers import cpu_attention
+from batchinfer.engine.layers import cpu_attention, native_build
 
 LOAD = textwrap.dedent("""
     import logging, sys
@@ -30,11 +30,12 @@ LOAD = textwrap.dedent("""
 HOLD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from batchinfer.engine.layers import cpu_attention
+    from batchinfer.engine.layers import native_build
     directory = Path(sys.argv[1])
-    with cpu_attention.build_lock(directory, wait_s=5) as held:
+    with native_build.build_lock(directory, wait_s=5) as held:
         assert held
-        (directory / cpu_attention.TORCH_LOCK_NAME).touch()  # what torch does when a build starts
+        (directory / native_build.COMPLETE_NAME).unlink(missing_ok=True)  # a build in progress is incomplete
+        (directory / native_build.TORCH_LOCK_NAME).touch()  # what torch does when a build starts
         print("HOLDING", flush=True)
         time.sleep(600)  # "building" until killed
 """)
@@ -42,13 +43,13 @@ HOLD = textwrap.dedent("""
 
 @pytest.fixture
 def extensions_dir(monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The extension's build directory under a TORCH_EXTENSIONS_DIR of these tests' own.
+    """The extension's build directory under a BATCHINFER_KERNEL_DIR of these tests' own.
 
     It persists across runs (like torch's own cache), so only the first run compiles (about a minute on
     2 cores); later runs find the build up to date. The user's torch cache is never touched.
     """
     root = Path(tempfile.gettempdir()) / f"batchinfer-test-torch-extensions-{os.getuid()}"
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+    monkeypatch.setenv("BATCHINFER_KERNEL_DIR", str(root))
     monkeypatch.delenv("BATCHINFER_CPU_ATTENTION", raising=False)
     return root / cpu_attention.extension_name()
 
@@ -67,7 +68,7 @@ def _kill_while_building(directory: Path) -> None:
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
-    assert (directory / cpu_attention.TORCH_LOCK_NAME).exists()  # left behind, as a killed build leaves it
+    assert (directory / native_build.TORCH_LOCK_NAME).exists()  # left behind, as a killed build leaves it
 
 
 def test_a_lock_left_by_a_killed_builder_is_removed_and_the_extension_loads(extensions_dir: Path):
@@ -75,7 +76,8 @@ def test_a_lock_left_by_a_killed_builder_is_removed_and_the_extension_loads(exte
     done = _run(LOAD, "60", timeout=420)  # builds from scratch (about a minute) unless a build was seeded
     assert done.stdout.strip() == "LOADED", done.stderr[-3000:]
     assert "removing the stale build lock" in done.stderr and "rebuilding" in done.stderr
-    assert not (extensions_dir / cpu_attention.TORCH_LOCK_NAME).exists()
+    assert "building native CPU kernels (one time" in done.stderr  # the (re)build is announced
+    assert not (extensions_dir / native_build.TORCH_LOCK_NAME).exists()
 
 
 def test_a_live_builder_is_waited_for_a_bounded_time_with_log_lines(extensions_dir: Path,
@@ -85,9 +87,9 @@ def test_a_live_builder_is_waited_for_a_bounded_time_with_log_lines(extensions_d
                               text=True)
     try:
         assert holder.stdout.readline().strip() == "HOLDING"
-        monkeypatch.setattr(cpu_attention, "BUILD_WAIT_LOG_S", 0.5)
+        monkeypatch.setattr(native_build, "BUILD_WAIT_LOG_S", 0.5)
         started = time.monotonic()
-        with cpu_attention.build_lock(extensions_dir, wait_s=2.0) as held:
+        with native_build.build_lock(extensions_dir, wait_s=2.0) as held:
             waited = time.monotonic() - started
         assert held is False and 2.0 <= waited < 10  # gave up, in bounded time
         # The process loading the extension falls back to SDPA and says why, instead of hanging.
@@ -97,6 +99,6 @@ def test_a_live_builder_is_waited_for_a_bounded_time_with_log_lines(extensions_d
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
-    with cpu_attention.build_lock(extensions_dir, wait_s=2.0) as held:  # its death freed the lock at once
+    with native_build.build_lock(extensions_dir, wait_s=2.0) as held:  # its death freed the lock at once
         assert held is True
-        assert not (extensions_dir / cpu_attention.TORCH_LOCK_NAME).exists()  # and its torch lock is gone
+        assert not (extensions_dir / native_build.TORCH_LOCK_NAME).exists()  # and its torch lock is gone

@@ -8,29 +8,23 @@ decode tokens (one query per sequence, the bulk of the steps); prefill chunks ke
 GEMMs suit many queries per sequence. float32 and bfloat16 caches (NATIVE_DTYPES); a bf16 row is widened
 to float32 in registers, and scores, softmax and sums stay float32.
 
-Built with torch.utils.cpp_extension (g++, ninja) into torch's extension dir, once per machine and source
-(-march=native, so the name carries the CPU's flags). If the build fails, or BATCHINFER_CPU_ATTENTION=sdpa
-is set, `load()` returns None and the torch path is used: same results, slower. A build lock left by a
-process killed mid-build is detected and removed (see build_lock), so no worker waits on it forever.
+Built with torch.utils.cpp_extension (g++, ninja) by native_build.py: once per installation and cache
+key (sources, torch, Python, flags, CPU), at install by `batchinfer build-kernels`, else on first use with
+a visible line on stderr. If the build fails, or BATCHINFER_CPU_ATTENTION=sdpa is set, `load()` returns
+None and the torch path is used: same results, slower.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
 import os
-import platform
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from batchinfer.engine.layers.cpu_fused_source import FUSED_FUNCTIONS, FUSED_SOURCE
 from batchinfer.engine.layers.cpu_gguf_source import GGUF_FUNCTIONS, GGUF_SOURCE
+from batchinfer.engine.layers.native_build import BUILD_WAIT_S, NativeBuild, cache_key, load_or_build
 
 logger = logging.getLogger(__name__)
 
@@ -215,115 +209,32 @@ _attempted = False
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # the element types the kernel reads and writes
 
-BUILD_WAIT_S = 900.0  # longest wait for another process's build (a build takes about a minute on 2 cores)
-BUILD_WAIT_LOG_S = 30.0  # while waiting, say so this often
-OWNER_LOCK_NAME = "batchinfer-build.lock"  # our lock beside torch's "lock" file, in the build directory
-TORCH_LOCK_NAME = "lock"  # torch.utils.file_baton's lock: a plain file that a killed builder leaves behind
-
-
-def _cpu_tag() -> str:
-    from batchinfer.engine.config import cpu_flags
-
-    flags = " ".join(sorted(cpu_flags()))
-    sources = _SOURCE + FUSED_SOURCE + GGUF_SOURCE
-    return hashlib.sha256(f"{platform.machine()}{flags}{sources}".encode()).hexdigest()[:12]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # -march=native: the CPU tag is in the key
+LDFLAGS = ["-fopenmp"]
+_FUNCTIONS = ["paged_decode_attention", *FUSED_FUNCTIONS, *GGUF_FUNCTIONS]
+build_info: NativeBuild | None = None  # how load() got the extension (where it lives, built or cached)
 
 
 def extension_name() -> str:
-    """The extension's module name: one per CPU flag set and kernel source."""
-    return f"batchinfer_cpu_attention_{_cpu_tag()}"
-
-
-def build_directory(name: str) -> Path:
-    """Where torch builds `name` (its usual per-user extensions dir, or TORCH_EXTENSIONS_DIR)."""
-    from torch.utils import cpp_extension
-
-    try:
-        return Path(cpp_extension._get_build_directory(name, verbose=False))  # what load_inline would use
-    except AttributeError:  # a torch without the helper: the same layout, spelled out
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-        directory = Path(root) / name
-        directory.mkdir(parents=True, exist_ok=True)
-        return directory
-
-
-@contextmanager
-def build_lock(directory: Path, *, wait_s: float = BUILD_WAIT_S) -> Iterator[bool]:
-    """Hold the build directory for this process; yields False if another live process held it `wait_s`.
-
-    torch's own lock is a plain file: a builder killed mid-build (kill -9, OOM) leaves it behind, and
-    every later load waits on it forever, silently. Our lock is an flock(2) on a file beside it, which
-    the kernel drops when its process dies, so whoever holds ours owns torch's: a torch lock file found
-    while holding ours was left by a dead process and is removed (with a warning) before building.
-    """
-    path = directory / OWNER_LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        start = time.monotonic()
-        next_log = start + BUILD_WAIT_LOG_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                now = time.monotonic()
-                if now - start >= wait_s:
-                    logger.warning("native CPU decode attention: process %s has been building %s for over "
-                                   "%.0fs; not waiting longer, using the SDPA path", _holder(path), directory,
-                                   wait_s)
-                    yield False
-                    return
-                if now >= next_log:
-                    logger.info("native CPU decode attention: waiting for process %s, which is building it "
-                                "in %s (%.0fs so far)", _holder(path), directory, now - start)
-                    next_log = now + BUILD_WAIT_LOG_S
-                time.sleep(0.1)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        stale = directory / TORCH_LOCK_NAME
-        if stale.exists():
-            logger.warning("native CPU decode attention: removing the stale build lock %s (the process that "
-                           "held it is gone, killed while building?); rebuilding", stale)
-            stale.unlink(missing_ok=True)
-        yield True
-    finally:
-        os.close(fd)  # also releases the flock
-
-
-def _holder(path: Path) -> str:
-    try:
-        return path.read_text().strip() or "?"
-    except OSError:
-        return "?"
+    """The extension's module name: one per cache key (sources, torch, Python, flags, CPU)."""
+    return f"batchinfer_cpu_kernels_{cache_key(_SOURCE + FUSED_SOURCE + GGUF_SOURCE, CFLAGS, LDFLAGS)}"
 
 
 def load(*, wait_s: float = BUILD_WAIT_S) -> Any:
     """The compiled extension (built on the first call), or None when it is disabled or cannot be built.
 
-    Waits at most `wait_s` for another process building it (see build_lock), logging while it waits.
+    Waits at most `wait_s` for another process building it (native_build.build_lock), logging meanwhile.
     """
-    global _extension, _attempted
+    global _extension, _attempted, build_info
     if _attempted:
         return _extension
     _attempted = True
     if os.environ.get("BATCHINFER_CPU_ATTENTION", "native") == "sdpa":
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        name = extension_name()
-        directory = build_directory(name)
-        with build_lock(directory, wait_s=wait_s) as held:
-            if not held:
-                return None
-            _extension = load_inline(
-                name=name,
-                cpp_sources=_SOURCE + FUSED_SOURCE + GGUF_SOURCE,
-                functions=["paged_decode_attention", *FUSED_FUNCTIONS, *GGUF_FUNCTIONS],
-                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-            )
+        build_info = load_or_build(name=extension_name(), source=_SOURCE + FUSED_SOURCE + GGUF_SOURCE,
+                                   functions=_FUNCTIONS, cflags=CFLAGS, ldflags=LDFLAGS, wait_s=wait_s)
+        _extension = build_info.module if build_info is not None else None
     except Exception as exc:  # no compiler / ninja: the SDPA path is correct, only slower
         logger.warning("native CPU decode attention unavailable (%s); using the SDPA path", exc)
         _extension = None
