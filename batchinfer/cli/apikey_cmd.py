@@ -26,7 +26,7 @@ def _key_object(row: Any) -> dict[str, Any]:
 
     return {"id": row.id, "name": row.name, "owner": row.owner, "prefix": row.prefix,
             "created_at": when(row.created_at), "last_used_at": when(row.last_used_at),
-            "revoked_at": when(row.revoked_at), "admin": bool(row.admin)}
+            "revoked_at": when(row.revoked_at), "admin": bool(row.admin), "weight": row.weight}
 
 
 @click.group()
@@ -40,16 +40,19 @@ def apikey() -> None:
               "Give several keys the same owner to rotate them.")
 @click.option("--admin", is_flag=True, help="An operator's key: its dashboard shows every owner's batches "
               "(CLI and schedule jobs, owner 'local', included) and may open, cancel and download them.")
+@click.option("--weight", type=float, default=1.0, show_default=True,
+              help="The owner's fair share of the workers: an owner with weight 2 is served twice the tokens "
+              "of an owner with weight 1 while both wait (its keys' highest weight counts).")
 @json_option("Print the key and its fields as one JSON object (the key is in it: store it now).")
-def create(name: str, owner: str | None, admin: bool, as_json: bool) -> None:
+def create(name: str, owner: str | None, admin: bool, weight: float, as_json: bool) -> None:
     """Create a key and print it once: it is stored hashed and cannot be shown again."""
     from batchinfer.store.apikeys import create_key
 
     with _session() as session:
         try:
-            plaintext, row = create_key(session, name=name, owner=owner, admin=admin)
+            plaintext, row = create_key(session, name=name, owner=owner, admin=admin, weight=weight)
         except ValueError as exc:
-            fail(f"--name/--owner: {exc}")
+            fail(f"{'--weight' if 'weight' in str(exc) else '--name/--owner'}: {exc}")
         info = _key_object(row)
     emit({"key": plaintext, **info}, plaintext)
     if not as_json:

@@ -26,6 +26,7 @@ from batchinfer.store.models import ApiKey, utcnow
 KEY_PREFIX = "bi-"
 DISPLAY_PREFIX_CHARS = 10  # "bi-" + 7 characters: enough to tell keys apart, useless to an attacker
 MAX_KEY_CHARS = 256
+MAX_WEIGHT = 1000.0  # fair-share weight: a share at most 1000 times another owner's
 # Writing last_used_at on every request would turn each status poll into a write; once a minute is plenty.
 LAST_USED_RESOLUTION = timedelta(seconds=60)
 
@@ -41,18 +42,20 @@ def hash_key(key: str) -> str:
 
 
 def create_key(session: Session, *, name: str, owner: str | None = None,
-               admin: bool = False) -> tuple[str, ApiKey]:
-    """Create a key (`admin`: its dashboard sees every owner); returns (the plaintext key, shown only this
-    once, and its row)."""
+               admin: bool = False, weight: float = 1.0) -> tuple[str, ApiKey]:
+    """Create a key (`admin`: its dashboard sees every owner; `weight`: its owner's fair share of the fleet,
+    store.fair_share); returns (the plaintext key, shown only this once, and its row)."""
     name = name.strip()
     if not name or len(name) > 128:
         raise ValueError("key name must be 1 to 128 characters")
     owner = (owner or name).strip()
     if not owner or len(owner) > 128:
         raise ValueError("owner must be 1 to 128 characters")
+    if not 0 < weight <= MAX_WEIGHT:
+        raise ValueError(f"weight must be above 0 and at most {MAX_WEIGHT:g} (got {weight:g})")
     plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
     row = ApiKey(owner=owner, name=name, key_hash=hash_key(plaintext),
-                 prefix=plaintext[:DISPLAY_PREFIX_CHARS], admin=admin)
+                 prefix=plaintext[:DISPLAY_PREFIX_CHARS], admin=admin, weight=weight)
     with write_transaction(session):
         session.add(row)
     return plaintext, row

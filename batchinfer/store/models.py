@@ -115,6 +115,9 @@ class Job(Base):
     meta: Mapped[dict | None] = mapped_column("metadata", JSON)
     idempotency_key: Mapped[str | None] = mapped_column(String(256))
     output_expires_after: Mapped[int | None] = mapped_column(Integer)  # s kept after it ends (retention)
+    # Budget: prompt + completion tokens the job may use in all (None: no budget); lines past it end with
+    # `budget_exceeded` (store/fair_share.py).
+    max_total_tokens: Mapped[int | None] = mapped_column(BigInteger)
     # While `validating`: who ingests (host:pid:token) and until when its lease runs (store/ingest_lease.py).
     ingest_owner: Mapped[str | None] = mapped_column(String(256))
     ingest_lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
@@ -293,6 +296,8 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # An admin key's dashboard shows every owner's batches (the CLI's `local` ones included).
     admin: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # Fair share: an owner's share of the fleet follows its keys' highest weight (store/fair_share.py).
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
 
 
 class OwnerUsage(Base):
@@ -303,6 +308,18 @@ class OwnerUsage(Base):
     owner: Mapped[str] = mapped_column(String(128), primary_key=True)
     # Uploads + request rows of its jobs + their generated files: moved with each of them, never summed.
     stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+
+class OwnerServed(Base):
+    """Tokens served to one owner in one minute (prompt, less cached, + completion): the fair-share ledger."""
+
+    __tablename__ = "owner_served"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    minute: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # unix seconds // 60
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+    __table_args__ = (Index(None, "minute"),)  # pruning old minutes
 
 
 class Schedule(Base):

@@ -23,6 +23,7 @@ from sqlalchemy import String, cast, func, literal, select, update
 from sqlalchemy.orm import Session
 
 from batchinfer.engine.sampling_params import SamplingParams
+from batchinfer.store import fair_share
 from batchinfer.store.db import end_transaction, is_sqlite, single_flight, write_transaction
 from batchinfer.store.errors import LeaseLost
 from batchinfer.store.ingest_lease import fail_lost_ingests
@@ -75,11 +76,16 @@ class RescueReport:
 
 
 def claim_shard(session: Session, *, worker_id: str, lease_seconds: float, model: str | None = None,
-                shard_id: int | None = None, now: datetime | None = None) -> ShardLease | None:
-    """Lease the next available shard of `model` (lowest priority value, then oldest), or exactly `shard_id`.
+                shard_id: int | None = None, now: datetime | None = None,
+                fair_window_seconds: float = fair_share.FAIR_SHARE_WINDOW_S) -> ShardLease | None:
+    """Lease the fairest available shard of `model` (store.fair_share: the owner served least for its
+    weight, then priority, earliest deadline, oldest), or exactly `shard_id` when no model is given.
 
-    One UPDATE ... WHERE id = (SELECT ... FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING statement; None when
-    nothing is available (a duplicate delivery of a shard id finds it taken and gets None).
+    With both (a Celery delivery of `shard_id` to a worker of `model`), the id only wakes the worker: it
+    claims the fairest shard of the model, so the order in which shards were announced does not decide
+    who runs next; the delivered shard stays available for the next claim (and every shard announced has
+    its own message). One UPDATE ... WHERE id = (SELECT ... FOR UPDATE OF shards SKIP LOCKED LIMIT 1)
+    RETURNING statement; None when nothing is available (a duplicate delivery of an id finds it taken).
     """
     if model is None and shard_id is None:
         raise ValueError("claim_shard needs model= or shard_id=")
@@ -88,10 +94,11 @@ def claim_shard(session: Session, *, worker_id: str, lease_seconds: float, model
     token = secrets.token_hex(16)
     pick = select(Shard.id).where(Shard.status == ShardStatus.AVAILABLE)
     if model is not None:
-        pick = pick.where(Shard.model == model)
-    if shard_id is not None:
-        pick = pick.where(Shard.id == shard_id)
-    pick = pick.order_by(Shard.priority, Shard.id).limit(1).with_for_update(skip_locked=True)
+        pick, order = fair_share.fair_order(pick.where(Shard.model == model), now=now,
+                                            window_seconds=fair_window_seconds)
+    else:
+        pick, order = pick.where(Shard.id == shard_id), [Shard.id]
+    pick = pick.order_by(*order).limit(1).with_for_update(skip_locked=True, of=Shard)
     claim = (update(Shard)
              .where(Shard.id == pick.scalar_subquery(), Shard.status == ShardStatus.AVAILABLE)
              .values(status=ShardStatus.RUNNING, attempt=Shard.attempt + 1, lease_owner=worker_id,
@@ -166,7 +173,11 @@ def write_results(session: Session, *, shard_id: int, lease_token: str, results:
         shard = lock_shard(session, shard_id, lease_token=lease_token)
         job = lock_job(session, shard.job_id)
         _move_out_of_flight(shard, results)
-        return apply_results(session, job=job, results=results, shard=shard, now=now)
+        recorded = apply_results(session, job=job, results=results, shard=shard, now=now)
+        if recorded:  # the fair-share ledger (duplicates of written lines may count twice: harmless)
+            served = fair_share.served_tokens(results)
+            fair_share.record_served(session, owner=job.owner, tokens=served, now=now)
+        return recorded
 
 
 def _move_out_of_flight(shard: Shard, results: list[dict[str, Any]]) -> None:
@@ -295,6 +306,7 @@ def rescue_expired(session: Session, *, now: datetime | None = None) -> RescueRe
         for job in jobs.values():
             finalize_if_done(session, job=job, now=now)
         report.lost_ingests = fail_lost_ingests(session, now=now)
+        fair_share.prune_served(session, now=now)  # the fair-share ledger forgets minutes past its window
     return report
 
 
