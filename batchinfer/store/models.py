@@ -207,8 +207,8 @@ class Shard(Base):
     inflight_requests: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     inflight_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     inflight_budget: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
-    # ... and the seconds the longest of them needs at its engine's pace (its budget left / steps per s).
-    inflight_critical_s: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    # ... and when (unix s) the longest of them should end at its engine's pace (budget left / steps per s).
+    inflight_finish_at: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
 
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # first claim

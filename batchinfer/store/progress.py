@@ -23,12 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from batchinfer.store.db import end_transaction
-from batchinfer.store.models import Shard, ShardStatus
+from batchinfer.store.models import Shard, ShardStatus, utcnow
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,19 +52,22 @@ class Estimate:
     eta_seconds: float | None  # remaining / tokens_per_second; None until tokens were generated
 
 
-def inflight_by_job(session: Session, *, job_ids: Collection[int]) -> dict[int, InflightReport]:
-    """job id -> the sum of its running shards' last heartbeat reports (jobs with none are absent)."""
+def inflight_by_job(session: Session, *, job_ids: Collection[int],
+                    now: datetime | None = None) -> dict[int, InflightReport]:
+    """job id -> the sum of its running shards' last heartbeat reports (jobs with none are absent); the
+    critical path counts from `now` (a shard stores when its longest request should end)."""
     if not job_ids:
         return {}
+    now_s = (now or utcnow()).timestamp()
     rows = session.execute(
         select(Shard.job_id, func.sum(Shard.inflight_requests), func.sum(Shard.inflight_tokens),
-               func.sum(Shard.inflight_budget), func.max(Shard.inflight_critical_s))
+               func.sum(Shard.inflight_budget), func.max(Shard.inflight_finish_at))
         .where(Shard.job_id.in_(sorted(job_ids)), Shard.status == ShardStatus.RUNNING)
         .group_by(Shard.job_id)).all()
     end_transaction(session)
     return {job_id: InflightReport(requests=int(requests or 0), tokens=int(tokens or 0),
-                                   budget=int(budget or 0), critical_s=float(critical or 0))
-            for job_id, requests, tokens, budget, critical in rows}
+                                   budget=int(budget or 0), critical_s=max(float(finish or 0) - now_s, 0.0))
+            for job_id, requests, tokens, budget, finish in rows}
 
 
 def estimate(*, total: int, done: int, worker_done: int, finished_tokens: int, inflight: InflightReport,

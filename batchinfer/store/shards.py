@@ -124,8 +124,9 @@ def heartbeat(session: Session, *, shard_id: int, lease_token: str, lease_second
     now = now or utcnow()
     values: dict[str, Any] = {"lease_expires_at": now + timedelta(seconds=lease_seconds)}
     if inflight is not None:
+        finish_at = now.timestamp() + inflight.critical_s if inflight.critical_s else 0.0  # ages as it should
         values.update(inflight_requests=inflight.requests, inflight_tokens=inflight.tokens,
-                      inflight_budget=inflight.budget, inflight_critical_s=inflight.critical_s)
+                      inflight_budget=inflight.budget, inflight_finish_at=finish_at)
     active_jobs = select(Job.id).where(Job.status == JobStatus.IN_PROGRESS)
     with write_transaction(session):
         result = session.execute(
@@ -225,7 +226,7 @@ def complete_shard(session: Session, *, shard_id: int, lease_token: str, now: da
             shard.status, shard.cancelled_at = ShardStatus.CANCELLED, now
         shard.lease_token = None
         shard.inflight_requests = shard.inflight_tokens = shard.inflight_budget = 0
-        shard.inflight_critical_s = 0.0
+        shard.inflight_finish_at = 0.0
         finalize_if_done(session, job=job, now=now)
         return job.status
 
@@ -266,7 +267,7 @@ def _retire(session: Session, shard: Shard, job: Job, *, code: str, message: str
     """End a lease: shard -> available (attempts left), failed (pending errored) or cancelled (job over)."""
     shard.lease_token, shard.lease_expires_at = None, None
     shard.inflight_requests = shard.inflight_tokens = shard.inflight_budget = 0  # aborted: generated again
-    shard.inflight_critical_s = 0.0
+    shard.inflight_finish_at = 0.0
     if job.status != JobStatus.IN_PROGRESS:
         shard.status, shard.cancelled_at = ShardStatus.CANCELLED, now
     elif retry and shard.attempt < shard.max_attempts:

@@ -19,7 +19,7 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 COLUMNS = (("inflight_requests", sa.Integer()), ("inflight_tokens", sa.BigInteger()),
-           ("inflight_budget", sa.BigInteger()), ("inflight_critical_s", sa.Float()))
+           ("inflight_budget", sa.BigInteger()), ("inflight_finish_at", sa.Float()))
 
 
 def upgrade() -> None:
