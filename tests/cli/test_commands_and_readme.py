@@ -18,9 +18,10 @@ from batchinfer.config import Settings
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
-# Commands that serve until stopped, or need a model: their --json start line is tested where they are
-# (tests/cli/test_cli_habits.py: api, beat; tests/cli/test_run_vllm_habits.py: run).
-LONG_RUNNING = {"api", "worker", "beat", "scheduler", "run"}
+# Commands that serve until stopped, need a model or compile: their --json output is tested where they are
+# (tests/cli/test_cli_habits.py: api, beat; tests/cli/test_run_vllm_habits.py: run;
+# tests/engine/test_native_build.py: build-kernels).
+LONG_RUNNING = {"api", "worker", "beat", "scheduler", "run", "build-kernels"}
 
 # One printing invocation of every other command, in an order that gives each one something to act on.
 SAMPLES: list[list[str]] = [
