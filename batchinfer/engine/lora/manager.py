@@ -50,19 +50,27 @@ class LoRAManager:
                 count += 1
         return count
 
-    def add(self, request: LoRARequest) -> LoRAAdapter:
-        """The adapter of `request`, loaded (and checked) if it is not; LoRAError if it cannot run here."""
-        identity = (request.lora_name, request.lora_path)
+    def add(self, request: LoRARequest) -> None:
+        """Check a new request's adapter (loaded once, when its id is new); LoRAError if it cannot run here.
+
+        An adapter checked before is not read again here, even if evicted since: a step reads it when it
+        needs it, so queueing many adapters' requests does not churn the loaded set.
+        """
         known = self._identities.get(request.lora_int_id)
-        if known is not None and known != identity:
+        if known is None:
+            self.get(request)
+        elif known != (request.lora_name, request.lora_path):
             raise LoRAError("lora_request.lora_int_id", f"{request.lora_int_id} already names adapter "
                             f"{known[0]!r} ({known[1]}); give each adapter its own id")
+
+    def get(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter of `request`, read from its directory (and checked) unless it is loaded."""
         adapter = self.loaded.get(request.lora_int_id)
         if adapter is None:
             adapter = load_adapter(request.lora_name, request.lora_path, hf_config=self.hf_config,
                                    max_lora_rank=self.max_lora_rank, dtype=self.dtype, device=self.device)
             self.num_loads += 1
-            self._identities[request.lora_int_id] = identity
+            self._identities[request.lora_int_id] = (request.lora_name, request.lora_path)
             self.loaded[request.lora_int_id] = adapter
             logger.info("LoRA adapter %r loaded from %s (rank %d, %.1f MiB)", request.lora_name,
                         request.lora_path, adapter.rank, adapter.num_bytes / 2**20)
@@ -73,7 +81,7 @@ class LoRAManager:
         requests = [getattr(seq, "lora_request", None) for seq, _ in scheduled]
         if not any(requests):
             return None
-        adapters = [None if request is None else self.add(request) for request in requests]
+        adapters = [None if request is None else self.get(request) for request in requests]
         return build_lora_batch(adapters, [n for _, n in scheduled], self.device, self.stacks)
 
 
