@@ -7,6 +7,7 @@ dashboard's PromQL is checked against the names a real engine, worker and API ex
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -81,16 +82,17 @@ def test_dashboard_has_the_panels_the_operators_need() -> None:
 @pytest.mark.skipif(shutil.which("docker-compose") is None,
                     reason="docker-compose (Debian package) not installed")
 def test_compose_runs_prometheus_and_grafana_on_the_workers_metrics_port() -> None:
+    env = {**os.environ, "BATCHINFER_METRICS_TOKEN": "t0ken"}  # compose refuses to start without one
     result = subprocess.run(["docker-compose", "-f", str(DOCKER / "docker-compose.yml"), "config"],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
     services = yaml.safe_load(result.stdout)["services"]
     worker = services["worker"]["command"]
     port = int(worker[worker.index("--metrics-port") + 1])
     scrape = yaml.safe_load((DOCKER / "prometheus.yml").read_text())["scrape_configs"]
     jobs = {job["job_name"]: job for job in scrape}
-    assert jobs["batchinfer-workers"]["dns_sd_configs"][0] == {"names": ["worker"], "type": "A", "port": port,
-                                                               "refresh_interval": "15s"}
+    assert jobs["batchinfer-workers"]["dns_sd_configs"][0] == {"names": ["worker", "worker-cpu"], "type": "A",
+                                                               "port": port, "refresh_interval": "15s"}
     assert jobs["batchinfer-api"]["static_configs"][0]["targets"] == ["api:8000"]
     assert "8000:8000" in [f"{p['published']}:{p['target']}" for p in services["api"]["ports"]]
     for name in ("prometheus", "grafana"):
