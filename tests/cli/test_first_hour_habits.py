@@ -75,14 +75,16 @@ def test_submit_quiet_prints_the_bare_batch_id(env: Path, tiny_llama: Path):
     assert re.fullmatch(r"batch_\d+\n", result.stdout)
 
 
-def test_beat_json_stdout_is_pure_json(env: Path, redis_url: str):
+@pytest.mark.parametrize("command", ["beat", "worker"])
+def test_celery_commands_json_stdout_is_pure_json(env: Path, redis_url: str, tiny_llama: Path, command: str):
     """Celery's banner and shutdown lines go to stderr: stdout holds the start line and nothing else."""
     environ = {**os.environ, "BATCHINFER_BROKER_URL": redis_url}
-    beat = subprocess.Popen([sys.executable, "-m", "batchinfer.cli", "beat", "--json"], env=environ,
+    args = ["--model", str(tiny_llama)] if command == "worker" else []
+    beat = subprocess.Popen([sys.executable, "-m", "batchinfer.cli", command, *args, "--json"], env=environ,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         start = orjson.loads(beat.stdout.readline())
-        assert start["event"] == "beat_started"
+        assert start["event"] == f"{command}_started"
         deadline = time.monotonic() + 60
         seen = ""
         while not re.search(r"@\S+ ready", seen) and time.monotonic() < deadline:  # Celery's, on stderr
