@@ -61,7 +61,6 @@ class JobProgress:
         self.status: str | None = None
         self.eta_seconds: float | None = None
         self.tokens_per_second: float | None = None
-        self._done_at_start = done
         self._started = time.monotonic()
         self._last_line = self._started
         self._printed: tuple[int, str | None] | None = None  # (done, status) of the last line printed
