@@ -79,7 +79,7 @@ def test_a_broker_that_is_down_leaves_the_job_saved_and_says_so(
     app = create_celery_app(settings)
     app.conf.broker_connection_timeout = 1
     sessions = session_factory(sqlite_url)
-    with caplog.at_level(logging.ERROR, logger="batchinfer.workers"), sessions() as session:
+    with caplog.at_level(logging.WARNING, logger="batchinfer.workers"), sessions() as session:
         job = submit_and_announce(session=session, settings=settings, app=app, path=path, model=MODEL,
                                   owner="t", shard_size=2)
         available = shard_store.list_shards(session, job_id=job.id, status=ShardStatus.AVAILABLE)
