@@ -28,6 +28,7 @@ def _build_kernels(kernel_dir: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.integration  # two `batchinfer build-kernels` processes
 def test_build_kernels_builds_once_and_a_path_alias_finds_the_same_build(tmp_path: Path):
     first = _build_kernels(KERNEL_ROOT)
     assert first.returncode == 0, first.stderr[-3000:]
