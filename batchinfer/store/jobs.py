@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings
 from batchinfer.formats import URL_TO_ENDPOINT, validate_metadata
+from batchinfer.store.budgets import check_budget
 from batchinfer.store.db import end_transaction, single_flight, write_transaction
 from batchinfer.store.errors import JobError, JobStateError
 from batchinfer.store.ids import MAX_JOB_ID, is_job_id
@@ -102,6 +103,7 @@ def submit_job(
     completion_window: str | None = None,
     limits: IngestLimits | None = None,
     output_expires_after: int | None = None,
+    max_total_tokens: int | None = None,
     served_names: frozenset[str] | None = None,
     reserve: Callable[[Session, Job], None] | None = None,
 ) -> Job:
@@ -131,6 +133,7 @@ def submit_job(
         raise JobError(str(exc)) from None
     window = canonical_completion_window(completion_window or settings.completion_window)
     window_delta = parse_completion_window(window)
+    max_total_tokens = check_budget(max_total_tokens)  # enforced as results are written (store.budgets)
     check_stored_text(model, field="model", column=Job.__table__.c.model)
     if idempotency_key is not None:
         check_stored_text(idempotency_key, field="idempotency_key", column=Job.__table__.c.idempotency_key)
@@ -145,6 +148,7 @@ def submit_job(
               input_file_id=input_file_id, input_path=str(path) if path is not None else None,
               completion_window=window, priority=priority, shard_size=shard_size, on_invalid=on_invalid,
               meta=metadata, idempotency_key=idempotency_key, created_at=now, expires_at=now + window_delta,
+              max_total_tokens=max_total_tokens,
               output_expires_after=output_expires_after,
               ingest_owner=new_ingest_owner(),
               ingest_lease_expires_at=now + timedelta(seconds=settings.ingest_lease_seconds))

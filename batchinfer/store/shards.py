@@ -23,7 +23,7 @@ from sqlalchemy import String, cast, func, literal, select, update
 from sqlalchemy.orm import Session
 
 from batchinfer.engine.sampling_params import SamplingParams
-from batchinfer.store import fair_share
+from batchinfer.store import budgets, fair_share
 from batchinfer.store.db import end_transaction, is_sqlite, single_flight, write_transaction
 from batchinfer.store.errors import LeaseLost
 from batchinfer.store.ingest_lease import fail_lost_ingests
@@ -174,10 +174,13 @@ def write_results(session: Session, *, shard_id: int, lease_token: str, results:
         shard = lock_shard(session, shard_id, lease_token=lease_token)
         job = lock_job(session, shard.job_id)
         _move_out_of_flight(shard, results)
+        results, spent = budgets.within_budget(session, job=job, results=results)
         recorded = apply_results(session, job=job, results=results, shard=shard, now=now)
         if recorded:  # the fair-share ledger (duplicates of written lines may count twice: harmless)
             served = fair_share.served_tokens(results)
             fair_share.record_served(session, owner=job.owner, tokens=served, now=now)
+        if spent:
+            budgets.stop_spent_job(session, job=job, now=now)
         return recorded
 
 
