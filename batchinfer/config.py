@@ -152,6 +152,13 @@ class Settings(BaseSettings):
         60.0, gt=0, description="A submit whose ingest is silent this long is failed by the rescuer.")
     write_batch_size: int = Field(32, ge=1, description="Worker flushes results every N outputs ...")
     write_interval_ms: int = Field(500, ge=1, description="... or every T milliseconds.")
+    # Result cache across jobs (store/result_cache.py; README "Result cache").
+    result_cache: Literal["use", "refresh", "off"] = Field(
+        "use", description="A job's default: use cached results of deterministic requests, refresh "
+        "them, or off.")
+    result_cache_max_bytes: int = Field(
+        4 << 30, ge=0, description="Bytes of cached result bodies kept (least recently used evicted); "
+        "0: none.")
 
     # Tenants and resource bounds (README "Security": what each protects, which settings loosen it).
     prefix_cache_scope: Literal["owner", "global"] = Field(

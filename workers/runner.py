@@ -38,6 +38,7 @@ from batchinfer.store.shards import PendingRequest, ShardLease
 from workers.embedding_queue import EmbeddingQueue
 from workers.lease_keeper import LeaseKeeper
 from workers.metrics import WorkerMetrics, inflight_report
+from workers.result_cache import ModelIdentity, ResultCache, model_identity
 from workers.result_rows import error_row, result_row
 
 if TYPE_CHECKING:
@@ -106,6 +107,7 @@ class ShardRunner:
         self._flights: dict[int, _Flight] = {}
         self._submitted: dict[str, _Submitted] = {}
         self._embeddings = EmbeddingQueue(engine, model)  # run between steps, within a step's budget
+        self._cache = ResultCache(sessions=sessions, settings=settings, identity_of=self._identity_of)
         self._last_flush = time.monotonic()
         self._next_claim_at = 0.0
         self._last_worker_beat = time.monotonic()
@@ -206,9 +208,25 @@ class ShardRunner:
         self._flights[lease.shard_id] = flight
         self.metrics.shard_claimed()
         logger.info("claimed shard %s of job %s (%d pending)", lease.shard_id, lease.job_id, len(pending))
-        for request in pending:
+        plan = self._cache.plan(lease, pending)  # hits served here, duplicates wait for their twin
+        flight.buffered.extend(plan.served)
+        flight.outstanding.update(str(request.request_id) for request in plan.waiting)
+        for request in plan.run:
             self._submit(flight, request)
         return True
+
+    def _identity_of(self, served: str) -> ModelIdentity:
+        """What decides a shard's outputs besides its requests (the result cache's key and provenance)."""
+        adapter = (served, self.adapters[served].lora_path) if served in self.adapters else None
+        return model_identity(self.engine.config, served_model=served if adapter else self.model,
+                              adapter=adapter)
+
+    def _resubmit(self, orphans: list[tuple[int, PendingRequest]]) -> None:
+        """Duplicates whose twin will not finish here run themselves (their ids are still outstanding)."""
+        for shard_id, request in orphans:
+            flight = self._flights.get(shard_id)
+            if flight is not None:
+                self._submit(flight, request)
 
     def _submit(self, flight: _Flight, request: PendingRequest) -> None:
         engine_id = str(request.request_id)
@@ -223,6 +241,8 @@ class ShardRunner:
             self.engine.add_request(engine_id, prompt, request.params, cache_salt=salt, lora_request=lora)
         except (ValueError, TypeError) as exc:
             flight.buffered.append(error_row(request, "invalid_request", str(exc)))
+            flight.outstanding.discard(engine_id)
+            self._resubmit(self._cache.failed(engine_id))
             return
         flight.outstanding.add(engine_id)
         self._submitted[engine_id] = _Submitted(flight.lease.shard_id, request, prompt, salt, lora)
@@ -230,7 +250,7 @@ class ShardRunner:
     def _run_embeddings(self, stats: RunStats) -> None:
         for done in self._embeddings.run(self._still_outstanding):
             flight = self._flights[done.shard_id]
-            flight.buffered.append(done.row)
+            flight.buffered.append(self._cache.fresh_row(flight.lease, done.row))
             flight.outstanding.discard(done.engine_id)
             stats.requests_finished += 1
 
@@ -272,11 +292,17 @@ class ShardRunner:
         if output.error is not None:  # it never ran: its grammar failed to compile (or took too long)
             flight.buffered.append(error_row(submitted.request, "invalid_request", output.error))
             stats.requests_finished += 1
+            self._resubmit(self._cache.failed(output.request_id))
             return tokens
         echo = (submitted.request.options or {}).get("echo")
         result = result_row(submitted.request, output, self._echo_text(submitted) if echo else "")
         model = flight.lease.model if flight.lease.model in self.adapters else self.model
-        flight.buffered.append({**result, "model": model})  # a line's body.model may route it here
+        row = {**result, "model": model}  # a line's body.model may route it here
+        for shard_id, copy in self._cache.finished(flight.lease, submitted.request, row):  # + its twins'
+            target = self._flights.get(shard_id)
+            if target is not None:
+                target.buffered.append(copy)
+                target.outstanding.discard(str(copy["request_id"]))
         stats.requests_finished += 1
         return tokens
 
@@ -303,6 +329,7 @@ class ShardRunner:
             logger.warning("lease of shard %s lost; dropping it", shard_id)
             self._drop(shard_id)
             return False
+        self._cache.store()  # bodies computed so far, for later requests with their keys
         return True
 
     # --- leases, cancel, completion ------------------------------------------------------------------
@@ -351,6 +378,7 @@ class ShardRunner:
                 self.metrics.lease_lost()
                 logger.warning("lease of shard %s lost before completion", shard_id)
             self._flights.pop(shard_id, None)
+            self._cache.forget_shard(shard_id)
 
     def hand_back(self) -> RunStats:
         """Abort what is in flight, write what finished, release every shard (after a database outage broke
@@ -360,6 +388,7 @@ class ShardRunner:
         for engine_id in self._submitted:  # requests whose shard was already dropped
             self.engine.abort(engine_id)
         self._submitted.clear()
+        self._cache.reset()
         return stats
 
     def _release_all(self, stats: RunStats) -> None:
@@ -380,10 +409,12 @@ class ShardRunner:
         self._flights.pop(shard_id, None)
 
     def _abort_requests(self, flight: _Flight) -> None:
+        orphans = self._cache.forget_shard(flight.lease.shard_id)  # twins elsewhere waiting on these
         for engine_id in list(flight.outstanding):
             self.engine.abort(engine_id)
             self._submitted.pop(engine_id, None)
         flight.outstanding.clear()
+        self._resubmit(orphans)
 
     def _drop(self, shard_id: int) -> None:
         flight = self._flights.pop(shard_id, None)
@@ -410,9 +441,14 @@ class ShardRunner:
             except Exception as solo_exc:  # this request is the culprit
                 self.engine.abort(engine_id)
                 self._submitted.pop(engine_id, None)
+                message = f"the engine failed on this request: {solo_exc}"
                 if flight is not None:
                     flight.outstanding.discard(engine_id)
-                    flight.buffered.append(error_row(submitted.request, "engine_error",
-                                                  f"the engine failed on this request: {solo_exc}"))
+                    flight.buffered.append(error_row(submitted.request, "engine_error", message))
+                for shard_id, twin in self._cache.failed(engine_id):  # identical requests fail alike
+                    target = self._flights.get(shard_id)
+                    if target is not None:
+                        target.outstanding.discard(str(twin.request_id))
+                        target.buffered.append(error_row(twin, "engine_error", message))
         logger.info("isolated engine failure (%s): %d requests re-run alone", exc, len(suspects))
         return finished

@@ -35,7 +35,7 @@ def export_results(session: Session, *, job_id: int, kind: ExportKind = "output"
         raise JobError(f"kind must be 'output', 'errors' or 'all', got {kind!r}")
     statuses = [s.value for s in EXPORT_STATUSES[kind]]
     columns = (Request.id, Request.line_number, Request.custom_id, Request.status, Request.response,
-               Request.error_code, Request.error_message)
+               Request.error_code, Request.error_message, Request.provenance)
     total = session.scalar(select(Job.total_requests).where(Job.id == job_id)) or 0
     end_transaction(session)
     base = request_id_for(job_id, 0)  # the job's rows are lines 1..total_requests
@@ -45,11 +45,13 @@ def export_results(session: Session, *, job_id: int, kind: ExportKind = "output"
             Request.id > base + start, Request.id <= base + start + chunk_size, Request.status.in_(statuses))
             .order_by(Request.id)).all()
         end_transaction(session)
-        for request_id, line_number, custom_id, status, response, code, message in rows:
+        for request_id, line_number, custom_id, status, response, code, message, provenance in rows:
             custom_id = custom_id if custom_id is not None else f"line-{line_number}"
             if status == RequestStatus.SUCCEEDED.value:
-                yield dumps(output_line(request_key=request_id, custom_id=custom_id, body=fragment(response)),
-                            option=newline)
+                line = output_line(request_key=request_id, custom_id=custom_id, body=fragment(response))
+                if provenance is not None:  # engine, model fingerprint, result_cache (store/result_cache.py)
+                    line["provenance"] = fragment(provenance)
+                yield dumps(line, option=newline)
             else:
                 if code is None:
                     code, message = NOT_RUN_ERRORS.get(RequestStatus(status), ("unknown_error", "no detail"))

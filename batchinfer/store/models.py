@@ -137,6 +137,11 @@ class Job(Base):
     request_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     output_bytes: Mapped[int | None] = mapped_column(BigInteger)  # None: not measured yet
     error_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # Result cache (store/result_cache.py): use | refresh | off, chosen at submit (the setting's default).
+    result_cache: Mapped[str] = mapped_column(String(8), default="use", server_default="use")
+    # Its successes served from earlier jobs' results (hits) and copied from identical lines of its own.
+    result_cache_hits: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    result_cache_dedups: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # created_at + completion_window
@@ -258,10 +263,33 @@ class Request(Base):
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     cached_tokens: Mapped[int | None] = mapped_column(Integer)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # A success's provenance JSON (engine, model fingerprint, result_cache miss|hit|dedup, computed_in) and
+    # the result-cache key of its body (ResultBody.key; NULL: not cacheable): store/result_cache.py.
+    provenance: Mapped[str | None] = mapped_column(Text)
+    result_key: Mapped[str | None] = mapped_column(String(64))
 
     __table_args__ = (
         UniqueConstraint("job_id", "custom_id"),  # also the duplicate detector of ingest
     )
+
+
+class ResultBody(Base):
+    """A result-cache body (store/result_cache.py): one row per key, shared by every job whose request has it.
+
+    `key` is the sha256 of everything that decides the output (workers/result_cache.py); `body` the result
+    row as the worker produced it (choices, token counts, prompt logprobs, model), orjson bytes.
+    """
+
+    __tablename__ = "result_bodies"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    size: Mapped[int] = mapped_column(BigInteger)  # len(body): result_cache_max_bytes counts these
+    computed_in: Mapped[int] = mapped_column(BigInteger)  # the job id that computed it (no FK: outlives it)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_used_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    __table_args__ = (Index(None, "last_used_at"),)  # LRU eviction and the retention purge
 
 
 class Worker(Base):

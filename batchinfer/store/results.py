@@ -60,16 +60,19 @@ def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], 
                              prompt_tokens=result["prompt_tokens"],
                              completion_tokens=result["completion_tokens"],
                              cached_tokens=result["cached_tokens"])
+        provenance = result.get("provenance")  # workers/result_cache.py; None from older writers
         succeeded.append({"rid": request_id, "response": orjson.dumps(body).decode(),
                           "p": result["prompt_tokens"], "c": result["completion_tokens"],
-                          "k": result["cached_tokens"]})
+                          "k": result["cached_tokens"], "key": result.get("result_key"),
+                          "prov": orjson.dumps(provenance).decode() if provenance is not None else None,
+                          "src": provenance.get("result_cache") if provenance is not None else None})
     table = Request.__table__
     is_mine = (table.c.id == bindparam("rid")) & (table.c.status == RequestStatus.PENDING.value)
     if succeeded:
         session.execute(table.update().where(is_mine).values(
             status=RequestStatus.SUCCEEDED.value, response=bindparam("response"),
             prompt_tokens=bindparam("p"), completion_tokens=bindparam("c"), cached_tokens=bindparam("k"),
-            finished_at=now), succeeded)
+            result_key=bindparam("key"), provenance=bindparam("prov"), finished_at=now), succeeded)
     if errored:
         session.execute(table.update().where(is_mine).values(
             status=RequestStatus.ERRORED.value, error_code=bindparam("code"),
@@ -80,7 +83,9 @@ def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], 
             failed_requests=Job.failed_requests + len(errored),
             prompt_tokens=Job.prompt_tokens + sum(r["p"] for r in succeeded),
             completion_tokens=Job.completion_tokens + sum(r["c"] for r in succeeded),
-            cached_tokens=Job.cached_tokens + sum(r["k"] for r in succeeded)))
+            cached_tokens=Job.cached_tokens + sum(r["k"] for r in succeeded),
+            result_cache_hits=Job.result_cache_hits + sum(r["src"] == "hit" for r in succeeded),
+            result_cache_dedups=Job.result_cache_dedups + sum(r["src"] == "dedup" for r in succeeded)))
     return len(succeeded) + len(errored)
 
 

@@ -31,7 +31,9 @@ def _write(path: Path, count: int) -> None:
 def _cached(runner, sessions, settings: Settings, path: Path, owner: str) -> list[int]:
     """Submit the file as `owner`, run it, and return each line's cached_tokens."""
     with sessions() as session:
-        job = submit_job(session, settings=settings, path=path, model=runner.model, owner=owner)
+        # The result cache off: a hit would return the first run's usage, and this is about prefix blocks.
+        job = submit_job(session, settings=settings, path=path, model=runner.model, owner=owner,
+                         result_cache="off")
     run_job(job_id=job.id, runner=runner)
     with sessions() as session:
         lines = [orjson.loads(line) for line in export_results(session, job_id=job.id)]

@@ -1,0 +1,328 @@
+"""The worker's side of the result cache (issue 31): keys, hits served before the engine, dedup, provenance.
+
+A deterministic request (greedy, or with a `seed`) of a job whose `result_cache` is `use` is looked up in
+the job database (store/result_cache.py) before it reaches the engine; a hit becomes its result row at
+once. Identical requests of one job held by this worker are computed once: the first is the primary, the
+others wait for it (their ids stay outstanding in their shard, so no shard completes before they are
+written) and get a copy of its row. What keeps "every custom_id exactly once" (ARCHITECTURE.md,
+contract 7): a copy is written only by its own shard's lease, like any result; a waiter whose primary is
+aborted (its shard released or lost) or fails runs itself; a twin in a shard of another worker either finds
+the body stored (a `dedup` hit) or computes it again.
+
+The key is the sha256 of: ENGINE_NUMERICS_VERSION, the served model name and the model's fingerprint
+(its weight files, tokenizer, chat template and config: every file of the model directory, hashed once
+and cached beside the model cache), the adapter's name and fingerprint, the resolved dtype, the
+quantization, the endpoint, the request's canonical form (messages or prompt and its options: chat
+template arguments, echo; with the fingerprint they determine the prompt token ids after the chat
+template; truncation is a sampling field), every sampling and output field (`SamplingParams.to_dict`) and
+the scope (the owner, unless `prefix_cache_scope = "global"`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from sqlalchemy.orm import Session, sessionmaker
+
+from batchinfer import __version__
+from batchinfer.config import Settings
+from batchinfer.engine.numerics import ENGINE_NUMERICS_VERSION
+from batchinfer.store import result_cache as cache_store
+from batchinfer.store.shards import PendingRequest, ShardLease
+
+if TYPE_CHECKING:
+    from batchinfer.engine.config import EngineConfig
+
+logger = logging.getLogger("batchinfer.workers")
+
+ENGINE_NAME = "batchinfer"
+FINGERPRINT_CHUNK = 1 << 20
+# Fields of a result row that belong to one request, not to its body.
+ROW_OWN_FIELDS = ("request_id", "provenance", "result_key")
+
+
+def fingerprint_dir(path: Path, *, cache_dir: Path | None = None) -> str:
+    """sha256 over every file of a model (or adapter) directory, names and bytes; cached on disk (keyed
+    by the directory and each file's size and mtime), so a model is read once, not at every start."""
+    path = path.resolve()
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    manifest = [[str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    cache_file = None
+    if cache_dir is not None:
+        cache_file = cache_dir / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".json")
+        try:
+            cached = orjson.loads(cache_file.read_bytes())
+            if cached.get("manifest") == manifest:
+                return str(cached["fingerprint"])
+        except (OSError, ValueError):
+            pass
+    digest = hashlib.sha256()
+    for file, (name, size, _) in zip(files, manifest, strict=True):
+        digest.update(f"{name}\0{size}\0".encode())
+        with file.open("rb") as stream:
+            while chunk := stream.read(FINGERPRINT_CHUNK):
+                digest.update(chunk)
+    fingerprint = digest.hexdigest()
+    if cache_file is not None:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+            record = {"path": str(path), "manifest": manifest, "fingerprint": fingerprint}
+            tmp.write_bytes(orjson.dumps(record))
+            tmp.replace(cache_file)
+        except OSError:  # a read-only cache dir costs a re-hash next start, nothing else
+            logger.debug("could not cache the fingerprint of %s", path, exc_info=True)
+    return fingerprint
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What decides outputs besides the request: the model's files, adapter, dtype, quantization."""
+
+    model: str  # the served name results carry
+    model_fingerprint: str
+    dtype: str
+    quantization: str | None
+    adapter: str | None = None
+    adapter_fingerprint: str | None = None
+
+    def key_fields(self) -> dict[str, Any]:
+        """Everything of the identity the cache key covers (with the engine's numerics version)."""
+        return {"numerics": ENGINE_NUMERICS_VERSION, "model": self.model,
+                "fingerprint": self.model_fingerprint, "adapter": self.adapter,
+                "adapter_fingerprint": self.adapter_fingerprint, "dtype": self.dtype,
+                "quantization": self.quantization}
+
+    def provenance(self, *, seed: int | None, source: str, computed_in: int) -> dict[str, Any]:
+        """An output line's `provenance` object."""
+        adapter = (None if self.adapter is None
+                   else {"name": self.adapter, "fingerprint": self.adapter_fingerprint})
+        return {"engine": {"name": ENGINE_NAME, "version": __version__}, "model": self.model,
+                "model_fingerprint": self.model_fingerprint, "adapter": adapter, "dtype": self.dtype,
+                "quantization": self.quantization, "seed": seed, "result_cache": source,
+                "computed_in": f"batch_{computed_in}"}
+
+
+def fingerprint_cache_dir() -> Path:
+    """Beside the converted-model cache: $BATCHINFER_CACHE_DIR/fingerprints."""
+    from batchinfer.engine.loader import cache_dir
+
+    return cache_dir() / "fingerprints"
+
+
+def model_identity(config: EngineConfig, *, served_model: str, adapter: tuple[str, str] | None = None
+                   ) -> ModelIdentity:
+    """The identity of `config`'s model (fingerprinted once per process and cached on disk)."""
+    from batchinfer.engine.loader import resolve_model_path
+
+    cache = fingerprint_cache_dir()
+    dtype = str(config.resolved_dtype()).removeprefix("torch.")
+    fingerprint = fingerprint_dir(resolve_model_path(config.model), cache_dir=cache)
+    name, adapter_fp = None, None
+    if adapter is not None:
+        name, adapter_fp = adapter[0], fingerprint_dir(Path(adapter[1]), cache_dir=cache)
+    return ModelIdentity(served_model, fingerprint, dtype, config.quantization, name, adapter_fp)
+
+
+def is_deterministic(request: PendingRequest) -> bool:
+    """Greedy or seeded: the same inputs give the same output, so a stored one may stand in for it."""
+    return request.params.is_greedy or request.params.seed is not None
+
+
+def request_key(identity: ModelIdentity, request: PendingRequest, *, scope: str) -> str | None:
+    """The cache key of `request` (module docstring), or None when it may not be cached."""
+    if request.endpoint == "embeddings" or not is_deterministic(request):
+        return None
+    canonical = {**identity.key_fields(), "endpoint": request.endpoint, "messages": request.messages,
+                 "prompt": request.prompt, "options": request.options or {},
+                 "params": request.params.to_dict(), "scope": scope}
+    return hashlib.sha256(orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def cache_scope(settings: Settings, owner: str) -> str:
+    """Whose earlier results a request may see: its owner's (a hit is an oracle), or everyone's."""
+    return "global" if settings.prefix_cache_scope == "global" else f"owner:{owner}"
+
+
+@dataclass
+class _Primary:
+    """A request computing a key for its job in this worker, and the identical ones waiting for it."""
+
+    engine_id: str
+    shard_id: int
+    job_id: int
+    seed: int | None
+    waiters: list[tuple[int, PendingRequest]]
+
+
+@dataclass
+class Plan:
+    """What to do with a claimed shard's pending requests: rows already known, requests to run."""
+
+    served: list[dict[str, Any]]
+    run: list[PendingRequest]
+    waiting: list[PendingRequest]  # their ids stay outstanding until their primary's row is copied
+
+
+class ResultCache:
+    """One runner's result cache: plans claimed shards, annotates rows, fans them out, stores bodies."""
+
+    def __init__(self, *, sessions: sessionmaker[Session], settings: Settings,
+                 identity_of: Any) -> None:
+        self.sessions = sessions
+        self.settings = settings
+        self._identity_of = identity_of  # lease.model -> ModelIdentity (computed once per served name)
+        self._identities: dict[str, ModelIdentity] = {}
+        self._modes: dict[int, str] = {}
+        self._primaries: dict[tuple[int, str], _Primary] = {}  # (job id, key) -> primary
+        self._by_engine_id: dict[str, tuple[int, str]] = {}
+        self._keys: dict[str, str | None] = {}  # engine id -> key, for every request planned and running
+        self._leases: dict[int, ShardLease] = {}
+        self._to_store: dict[tuple[int, bool], dict[str, dict[str, Any]]] = defaultdict(dict)
+        self.hits = self.dedups = 0
+
+    def identity(self, lease: ShardLease) -> ModelIdentity:
+        if lease.model not in self._identities:
+            self._identities[lease.model] = self._identity_of(lease.model)
+        return self._identities[lease.model]
+
+    def mode(self, job_id: int) -> str:
+        if job_id not in self._modes:
+            with self.sessions() as session:
+                self._modes[job_id] = cache_store.job_mode(session, job_id=job_id)
+        return self._modes[job_id]
+
+    def plan(self, lease: ShardLease, pending: list[PendingRequest]) -> Plan:
+        """Rows for the hits, the primaries to run, the duplicates that wait for a primary."""
+        self._leases[lease.shard_id] = lease
+        mode = self.mode(lease.job_id)
+        identity = self.identity(lease)
+        keys: dict[int, str | None] = {}
+        for request in pending:
+            key = None if mode == "off" else request_key(identity, request, scope=cache_scope(self.settings,
+                                                                                              lease.owner))
+            keys[request.request_id] = key
+            self._keys[str(request.request_id)] = key
+        found: dict[str, cache_store.CachedBody] = {}
+        wanted = {key for key in keys.values() if key is not None}
+        if mode == "use" and wanted:
+            with self.sessions() as session:
+                found = cache_store.lookup(session, keys=wanted)
+        plan = Plan([], [], [])
+        fresh = {key: row for (job_id, _), rows in self._to_store.items() if job_id == lease.job_id
+                 for key, row in rows.items()}
+        for request in pending:
+            key = keys[request.request_id]
+            if key is not None and key in fresh:  # computed by this job here, not stored yet
+                plan.served.append(self._row(fresh[key], request, identity, key, "dedup", lease.job_id))
+                continue
+            if key is not None and key in found:
+                cached = found[key]
+                source = "dedup" if cached.computed_in == lease.job_id else "hit"
+                plan.served.append(self._row(cached.row, request, identity, key, source, cached.computed_in))
+                continue
+            if key is not None and (lease.job_id, key) in self._primaries:
+                self._primaries[(lease.job_id, key)].waiters.append((lease.shard_id, request))
+                plan.waiting.append(request)
+                continue
+            if key is not None:
+                primary = _Primary(str(request.request_id), lease.shard_id, lease.job_id,
+                                   request.params.seed, [])
+                self._primaries[(lease.job_id, key)] = primary
+                self._by_engine_id[primary.engine_id] = (lease.job_id, key)
+            plan.run.append(request)
+        return plan
+
+    def finished(self, lease: ShardLease, request: PendingRequest, row: dict[str, Any]
+                 ) -> list[tuple[int, dict[str, Any]]]:
+        """The computed row of `request`, with provenance, and copies for its waiters: (shard id, row)."""
+        engine_id = str(request.request_id)
+        key = self._keys.pop(engine_id, None)
+        identity = self.identity(lease)
+        own = self._row(row, request, identity, key, "miss", lease.job_id)
+        out = [(lease.shard_id, own)]
+        if key is None:
+            return out
+        self._to_store[(lease.job_id, self.mode(lease.job_id) == "refresh")][key] = body_of(row)
+        primary = self._pop_primary(engine_id)
+        for shard_id, waiter in primary.waiters if primary is not None else []:
+            self._keys.pop(str(waiter.request_id), None)
+            out.append((shard_id, self._row(row, waiter, identity, key, "dedup", lease.job_id)))
+        return out
+
+    def fresh_row(self, lease: ShardLease, row: dict[str, Any]) -> dict[str, Any]:
+        """A row computed outside the cache (an embeddings line), with its provenance."""
+        self._keys.pop(str(row["request_id"]), None)
+        return {**row, "provenance": self.identity(lease).provenance(seed=None, source="miss",
+                                                                     computed_in=lease.job_id)}
+
+    def failed(self, engine_id: str) -> list[tuple[int, PendingRequest]]:
+        """`engine_id` errored or was aborted: its waiters must run themselves (no key: no more waiting)."""
+        self._keys.pop(engine_id, None)
+        primary = self._pop_primary(engine_id)
+        if primary is None:
+            return []
+        for _, waiter in primary.waiters:
+            self._keys[str(waiter.request_id)] = None
+        return list(primary.waiters)
+
+    def forget_shard(self, shard_id: int) -> list[tuple[int, PendingRequest]]:
+        """The shard is no longer held: its primaries' waiters in other shards run themselves; its own
+        waiters are dropped (the shard's pending rows run again wherever it is claimed next)."""
+        self._leases.pop(shard_id, None)
+        orphans: list[tuple[int, PendingRequest]] = []
+        for job_key, primary in list(self._primaries.items()):
+            primary.waiters = [(s, r) for s, r in primary.waiters if s != shard_id]
+            if primary.shard_id == shard_id:
+                del self._primaries[job_key]
+                self._by_engine_id.pop(primary.engine_id, None)
+                orphans.extend(primary.waiters)
+        for _, waiter in orphans:
+            self._keys[str(waiter.request_id)] = None
+        return orphans
+
+    def lease_of(self, shard_id: int) -> ShardLease | None:
+        return self._leases.get(shard_id)
+
+    def reset(self) -> None:
+        """Every shard went back (hand_back): nothing planned survives."""
+        self._primaries.clear()
+        self._by_engine_id.clear()
+        self._keys.clear()
+        self._leases.clear()
+
+    def store(self) -> None:
+        """Write the bodies computed since the last call (a body is correct whatever became of its shard)."""
+        pending, self._to_store = self._to_store, defaultdict(dict)
+        for (job_id, replace), rows in pending.items():
+            if not rows:
+                continue
+            with self.sessions() as session:
+                cache_store.store_bodies(session, rows=rows, computed_in=job_id, replace=replace,
+                                         max_bytes=self.settings.result_cache_max_bytes)
+
+    def _pop_primary(self, engine_id: str) -> _Primary | None:
+        job_key = self._by_engine_id.pop(engine_id, None)
+        return None if job_key is None else self._primaries.pop(job_key, None)
+
+    def _row(self, body: dict[str, Any], request: PendingRequest, identity: ModelIdentity, key: str | None,
+             source: str, computed_in: int) -> dict[str, Any]:
+        if source == "hit":
+            self.hits += 1
+        elif source == "dedup":
+            self.dedups += 1
+        return {**body_of(body), "request_id": request.request_id, "result_key": key,
+                "provenance": identity.provenance(seed=request.params.seed, source=source,
+                                                  computed_in=computed_in)}
+
+
+def body_of(row: dict[str, Any]) -> dict[str, Any]:
+    """A result row less what belongs to one request: what the cache stores and copies."""
+    return {name: value for name, value in row.items() if name not in ROW_OWN_FIELDS}
