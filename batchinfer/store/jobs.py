@@ -37,6 +37,7 @@ from batchinfer.store.models import (
     utcnow,
 )
 from batchinfer.store.quotas import charge_storage
+from batchinfer.store.result_cache import check_mode as check_result_cache_mode
 from batchinfer.store.transitions import finalize_if_done, lock_job, stop_pending
 
 OnInvalid = Literal["skip", "fail"]
@@ -104,6 +105,7 @@ def submit_job(
     limits: IngestLimits | None = None,
     output_expires_after: int | None = None,
     max_total_tokens: int | None = None,
+    result_cache: str | None = None,
     served_names: frozenset[str] | None = None,
     reserve: Callable[[Session, Job], None] | None = None,
 ) -> Job:
@@ -114,6 +116,7 @@ def submit_job(
     `endpoint` (an OpenAI url), when given, is required of every line. `priority`: lower runs first.
     Unset shard_size, completion_window and limits come from `settings`; JobError for a bad argument.
     `output_expires_after`: seconds after the job ends that its rows are kept (store.retention).
+    `result_cache`: use | refresh | off (store/result_cache.py); None: the setting's default.
     `served_names`: the job runs in this process on `model` alone, also called these names (line_models.py).
     `reserve(session, job)`: runs in the transaction inserting the job, before it (store.quotas.reserve_job).
     """
@@ -132,6 +135,7 @@ def submit_job(
     except ValueError as exc:
         raise JobError(str(exc)) from None
     window = canonical_completion_window(completion_window or settings.completion_window)
+    result_cache = check_result_cache_mode(result_cache or settings.result_cache)
     window_delta = parse_completion_window(window)
     max_total_tokens = check_budget(max_total_tokens)  # enforced as results are written (store.budgets)
     check_stored_text(model, field="model", column=Job.__table__.c.model)
@@ -149,7 +153,7 @@ def submit_job(
               completion_window=window, priority=priority, shard_size=shard_size, on_invalid=on_invalid,
               meta=metadata, idempotency_key=idempotency_key, created_at=now, expires_at=now + window_delta,
               max_total_tokens=max_total_tokens,
-              output_expires_after=output_expires_after,
+              output_expires_after=output_expires_after, result_cache=result_cache,
               ingest_owner=new_ingest_owner(),
               ingest_lease_expires_at=now + timedelta(seconds=settings.ingest_lease_seconds))
     try:
