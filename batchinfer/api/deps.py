@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, TypeVar
@@ -17,10 +16,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from batchinfer.api.cache import PollCache
 from batchinfer.api.errors import APIError
 from batchinfer.config import Settings
+from batchinfer.fair_pool import FairPool
 from batchinfer.store import LOCAL_OWNER
 from batchinfer.store.apikeys import authenticate, hash_key
 
-INGEST_THREADS = 2  # concurrent batch ingests; more would only contend for the database write lock
+INGEST_THREADS = 2  # concurrent batch ingests (one owner holds one: fair_pool.py); more would contend
+# for the database write lock
 AUTH_CACHE_TTL_S = 1.0  # a revoked key stops working within this long (status polls skip the key lookup)
 STATUS_CACHE_TTL_S = 1.0  # a polled batch object is at most this stale (changes made here drop it at once)
 
@@ -31,12 +32,12 @@ _bearer = HTTPBearer(auto_error=False, description="An API key from `batchinfer 
 _pool_lock = threading.Lock()
 
 
-def ingest_pool(app: FastAPI) -> ThreadPoolExecutor:
-    """The app's ingest threads (created on first use, and again after a lifespan shut them down)."""
+def ingest_pool(app: FastAPI) -> FairPool:
+    """The app's ingest threads, owners taking turns (created on first use, and again after a lifespan
+    shut them down)."""
     with _pool_lock:
         if app.state.ingest_pool is None:
-            app.state.ingest_pool = ThreadPoolExecutor(max_workers=INGEST_THREADS,
-                                                       thread_name_prefix="batchinfer-ingest")
+            app.state.ingest_pool = FairPool(INGEST_THREADS, name="batchinfer-ingest")
         return app.state.ingest_pool
 
 

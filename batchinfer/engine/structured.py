@@ -26,14 +26,11 @@ rolls the matcher back, or replays tokens into it, whenever the accepted count a
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
 import threading
 import time
-import weakref
-from collections import Counter, deque
 from collections.abc import Sequence as Seq
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
@@ -44,6 +41,7 @@ from cachetools import LRUCache
 
 from batchinfer.engine.grammars import DEFAULT_GRAMMAR_BUDGET, GrammarError, build_grammar
 from batchinfer.engine.sampling_params import StructuredOutputsParams
+from batchinfer.fair_pool import FairPool
 
 if TYPE_CHECKING:
     from batchinfer.engine.sequence import Sequence
@@ -109,24 +107,13 @@ class GrammarBackend:
         # Our LRU is the cache: xgrammar's own would keep a second copy of each grammar.
         self.compiler = xgr.GrammarCompiler(info, max_threads=XGRAMMAR_THREADS, cache_enabled=False)
         self.compile_timeout_s = compile_timeout_s
-        self._per_owner = max(1, compile_workers - 1)  # threads one owner may hold while others wait
         self._lock = threading.Lock()
-        self._work_ready = threading.Condition(self._lock)
-        self._pending: dict[str, deque[_Job]] = {}  # owner -> its queue; dict order is the turn order
-        self._running: Counter[str] = Counter()
         self._inflight: dict[str, Future[Any]] = {}  # queued or compiling, by cache key
         self._compiled: LRUCache[str, Future[Any]] = LRUCache(  # done futures: compile() hands out one
             maxsize=cache_bytes, getsizeof=lambda done: _grammar_bytes(done.result()))
         self._failed: LRUCache[str, str] = LRUCache(maxsize=FAILED_CACHE_BYTES,
                                                     getsizeof=lambda error: 200 + len(error))
-        self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"batchinfer-grammar-{i}", daemon=True)
-                         for i in range(compile_workers)]
-        for thread in self._threads:
-            thread.start()
-        # A compilation still running when the interpreter exits would abort it (xgrammar's C++ threads):
-        # let it finish first. Daemon threads, so an engine never closed does not hang the exit.
-        atexit.register(_close_at_exit, weakref.ref(self))
+        self._pool = FairPool(compile_workers, name="batchinfer-grammar")  # owners take turns
         self.bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
         if torch.device(device).type == "cuda":
             self.bitmask = self.bitmask.pin_memory()  # copied to the GPU every step, asynchronously
@@ -136,20 +123,15 @@ class GrammarBackend:
         self.compile_seconds = 0.0  # summed over compilations, in the compile threads
 
     def close(self, *, wait: bool = True) -> None:
-        """Stop the compile threads: queued compilations are cancelled; with `wait`, a running one is
-        waited for (up to the compile timeout: xgrammar cannot be interrupted)."""
+        """Stop compiling: queued compilations are cancelled; with `wait`, a running one is waited for
+        (up to the compile timeout: xgrammar cannot be interrupted)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
-            self._closed = True
-            queued = [job for queue in self._pending.values() for job in queue]
-            self._pending.clear()
-            self._work_ready.notify_all()
-        for job in queued:
-            job.future.cancel()
+            for future in self._inflight.values():
+                future.cancel()
+            self._inflight.clear()
         if wait:
-            deadline = time.monotonic() + self.compile_timeout_s
-            for thread in self._threads:
-                if thread is not threading.current_thread():
-                    thread.join(timeout=max(deadline - time.monotonic(), 0))
+            self._pool.shutdown(timeout=self.compile_timeout_s)
 
     @property
     def cached_bytes(self) -> int:
@@ -166,57 +148,37 @@ class GrammarBackend:
             error = self._failed.get(key) if future is None else None
             if future is None and error is None:
                 future = self._inflight[key] = Future()
-                self._pending.setdefault(owner or "", deque()).append(_Job(key, constraint, future))
-                self._work_ready.notify()
+                with contextlib.suppress(RuntimeError):  # closed: the future stays pending, like a cancel
+                    self._pool.submit(owner, self._run, _Job(key, constraint, future))
         if future is not None:
             return future
         failed: Future[Any] = Future()
         failed.set_exception(GrammarError(error))
         return failed
 
-    def _next_job(self) -> tuple[str, _Job] | None:
-        """The next owner in turn under its thread share, and its oldest job (called under the lock)."""
-        for owner in list(self._pending):
-            if owner and self._running[owner] >= self._per_owner:  # "": no owner named, one tenant
-                continue
-            queue = self._pending.pop(owner)
-            job = queue.popleft()
-            if queue:
-                self._pending[owner] = queue  # back of the turn order
-            self._running[owner] += 1
-            return owner, job
-        return None
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                picked = None
-                while not self._closed and (picked := self._next_job()) is None:
-                    self._work_ready.wait()
-                if picked is None:
-                    return
-            owner, job = picked
-            timer = threading.Timer(self.compile_timeout_s, self._expire, (job,))
-            timer.daemon = True
-            timer.start()
-            try:
-                compiled, error = self._compile(job.constraint), None
-            except Exception as exc:  # noqa: BLE001 - handed to the requests waiting on it
-                compiled, error = None, exc
-            timer.cancel()
-            with self._lock:
-                self._running[owner] -= 1
-                if self._inflight.get(job.key) is job.future:
-                    del self._inflight[job.key]
-                if not job.future.done():
-                    if error is None:
-                        job.future.set_result(compiled)
-                        with contextlib.suppress(ValueError):  # larger than the whole cache: not kept
-                            self._compiled[job.key] = job.future
-                    else:
-                        self._failed[job.key] = str(error)
-                        job.future.set_exception(error)
-                self._work_ready.notify_all()  # an owner at its share may take a turn again
+    def _run(self, job: _Job) -> None:
+        """Compile one job on a pool thread, within the timeout (module docstring)."""
+        if job.future.done():  # cancelled by close()
+            return
+        timer = threading.Timer(self.compile_timeout_s, self._expire, (job,))
+        timer.daemon = True
+        timer.start()
+        try:
+            compiled, error = self._compile(job.constraint), None
+        except Exception as exc:  # noqa: BLE001 - handed to the requests waiting on it
+            compiled, error = None, exc
+        timer.cancel()
+        with self._lock:
+            if self._inflight.get(job.key) is job.future:
+                del self._inflight[job.key]
+            if not job.future.done():
+                if error is None:
+                    job.future.set_result(compiled)
+                    with contextlib.suppress(ValueError):  # larger than the whole cache: not kept
+                        self._compiled[job.key] = job.future
+                else:
+                    self._failed[job.key] = str(error)
+                    job.future.set_exception(error)
 
     def _expire(self, job: _Job) -> None:
         """A compilation past its time: its requests error now; the thread finishes it and drops it."""
@@ -267,12 +229,6 @@ class GrammarBackend:
         if accepted:
             state.num_accepted += 1
         return accepted
-
-
-def _close_at_exit(backend_ref: weakref.ref[GrammarBackend]) -> None:
-    backend = backend_ref()
-    if backend is not None:
-        backend.close()
 
 
 def _grammar_bytes(compiled: Any) -> int:

@@ -165,8 +165,9 @@ async def create_batch(
                   completion_window=body.completion_window, idempotency_key=key,
                   on_invalid=body.on_invalid or "skip", priority=body.priority or 0,
                   shard_size=body.shard_size, output_expires_after=expiry.seconds if expiry else None,
+                  max_total_tokens=body.max_total_tokens,
                   reserve=partial(_reserve, settings=settings, file=file))
-    future = ingest_pool(request.app).submit(_submit, factory, settings, kwargs)
+    future = ingest_pool(request.app).submit(owner, _submit, factory, settings, kwargs)  # owners take turns
     try:
         with quota_errors():  # 429 naming the limit the reservation found
             job_id = await _wait_for_job(factory, owner, key, future)
