@@ -42,6 +42,10 @@ class CreateBatchRequest(BaseModel):
         "Extension: requests per shard; default the server's shard_size setting."))
     output_expires_after: ExpiresAfter | None = Field(None, description=(
         "When the output and error files expire: the batch and its results are purged then."))
+    result_cache: Literal["use", "refresh", "off"] | None = Field(None, description=(
+        "Extension: 'use' serves deterministic lines (temperature 0 or a seed) computed before for this "
+        "owner from the result cache, 'refresh' computes them again and replaces, 'off' neither; default "
+        "the server's result_cache setting (the openai client sends it through extra_body)."))
 
 
 class BatchErrorItem(BaseModel):
@@ -93,6 +97,14 @@ class BatchProgress(BaseModel):
                                                "its model.")
 
 
+class ResultCacheCounts(BaseModel):
+    """Extension: the batch's result_cache mode and its successes served from the cache."""
+
+    mode: str
+    hits: int = Field(description="Lines served from an earlier batch's result.")
+    dedups: int = Field(description="Lines copied from an identical line of this batch.")
+
+
 class BatchObject(BaseModel):
     """OpenAI's Batch object (+ `model` and the `progress` extension)."""
 
@@ -121,6 +133,7 @@ class BatchObject(BaseModel):
     metadata: dict[str, str] | None = None
     usage: dict[str, Any]
     progress: BatchProgress
+    result_cache: ResultCacheCounts | None = None
 
 
 class BatchList(BaseModel):

@@ -177,6 +177,8 @@ def batch_object(job: Job, *, now: datetime | None = None, served_models: Collec
         },
         "progress": _progress(job, now, waiting_note(job, served_models) if served_models is not None
                               else None, started_at, inflight),
+        "result_cache": {"mode": job.result_cache, "hits": job.result_cache_hits,  # store/result_cache.py
+                         "dedups": job.result_cache_dedups},
     }
 
 

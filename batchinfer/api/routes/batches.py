@@ -166,7 +166,7 @@ async def create_batch(
                   on_invalid=body.on_invalid or "skip", priority=body.priority or 0,
                   shard_size=body.shard_size, output_expires_after=expiry.seconds if expiry else None,
                   max_total_tokens=body.max_total_tokens,
-                  reserve=partial(_reserve, settings=settings, file=file))
+                  result_cache=body.result_cache, reserve=partial(_reserve, settings=settings, file=file))
     future = ingest_pool(request.app).submit(owner, _submit, factory, settings, kwargs)  # owners take turns
     try:
         with quota_errors():  # 429 naming the limit the reservation found
