@@ -155,9 +155,9 @@ class EngineConfig:
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         _require_int("max_cpu_loras", self.max_cpu_loras, minimum=self.max_loras)
-        if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ValueError("enable_lora: LoRA adapters run with tensor_parallel_size=1 and "
-                             "pipeline_parallel_size=1 only")
+        if self.enable_lora and self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora: LoRA adapters run with pipeline_parallel_size=1 only (tensor "
+                             "parallelism works)")
 
     @classmethod
     def field_names(cls) -> list[str]:

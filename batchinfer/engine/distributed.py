@@ -7,7 +7,10 @@ every step: rank 0 writes the step's flat int32 arrays into a SharedMemory buffe
 worker (nano-vllm's ModelRunner design, minus the pickle). A worker has read the buffer before it joins
 the step's first collective, and rank 0 writes the next step only after the last collective of this one,
 so one buffer suffices. An embeddings input travels the same way (CMD_EMBED, its token ids): every rank
-runs the pooling forward, whose all-reduces need them all.
+runs the pooling forward, whose all-reduces need them all. A LoRA adapter is announced once (CMD_ADD_LORA:
+its id, name and path); each rank loads its share, and a step's sequences carry their adapter's id. No
+collective follows an announcement, so every rank joins one all_reduce_min_int after it (rank 0 learns
+whether all of them loaded it, and writes nothing before they have read it).
 
 Under pipeline parallelism (pp_stage.py) each stage's ranks form a subgroup: use_tensor_parallel_group
 points the collectives at it, and the gathered logits land on the stage's first rank (the leader).
@@ -18,6 +21,7 @@ for bench/tp_comm.py; two perf_counter calls per collective cost nothing next to
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +36,8 @@ import torch.distributed as dist
 CMD_STEP = 1
 CMD_EXIT = 2
 CMD_EMBED = 3  # one embeddings input: [cmd, 0, T, 0] then its T token ids
+CMD_ADD_LORA = 4  # a LoRA adapter: [cmd, lora_int_id, n bytes, 0] then JSON [name, path] (utf-8) in words
+_META = 5  # words per scheduled sequence: computed, new, blocks, logits count, LoRA id (0: the base model)
 _HEADER = 4  # cmd, num_seqs, num_tokens, num_block_ids
 # A collective that waits longer than this means a peer died mid-step: fail instead of hanging forever.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -143,7 +149,8 @@ class StepChannel:
     """Rank 0 -> workers: one step's batch layout as flat int32 arrays in shared memory, plus an Event each.
 
     Layout (int32): [cmd, S, T, B] then per sequence (num_computed_tokens, num_new, num_blocks,
-    logits_count) [4S], the new token ids [T], and the sequences' block tables concatenated [B].
+    logits_count, lora_int_id) [5S], the new token ids [T], and the sequences' block tables concatenated [B].
+    A worker's channel keeps the adapters announced to it (`loras`) to give its sequences their request.
     """
 
     def __init__(self, capacity_words: int, events: list[Any], name: str | None = None) -> None:
@@ -152,6 +159,7 @@ class StepChannel:
         self.shm = shared_memory.SharedMemory(name=name, create=self.owner, size=size if self.owner else 0)
         self.words = np.ndarray((self.shm.size // 4,), dtype=np.int32, buffer=self.shm.buf)
         self.events = events
+        self.loras: dict[int, Any] = {}  # worker: lora_int_id -> LoRARequest announced (CMD_ADD_LORA)
 
     @property
     def name(self) -> str:
@@ -172,7 +180,9 @@ class StepChannel:
                     f"scheduled {num_new} tokens from position {begin} of a sequence with "
                     f"{len(seq.token_ids)} tokens: need 1 <= n <= len(token_ids) - num_computed_tokens"
                 )
-            meta += (begin, num_new, len(seq.block_table), 1 if logits_counts is None else logits_counts[i])
+            lora = getattr(seq, "lora_request", None)
+            meta += (begin, num_new, len(seq.block_table), 1 if logits_counts is None else logits_counts[i],
+                     0 if lora is None else lora.lora_int_id)
             tokens += seq.token_ids[begin : begin + num_new]
             blocks += seq.block_table
         total = _HEADER + len(meta) + len(tokens) + len(blocks)
@@ -200,15 +210,28 @@ class StepChannel:
         for event in self.events:
             event.set()
 
+    def send_add_lora(self, request: Any) -> None:
+        """Rank 0: announce a LoRA adapter (a LoRARequest); then join all_reduce_min_int with the workers."""
+        data = json.dumps([request.lora_name, request.lora_path]).encode()
+        words = np.frombuffer(data + bytes(-len(data) % 4), dtype=np.int32)
+        total = _HEADER + len(words)
+        if total > len(self.words):
+            raise ValueError(f"lora_request: its name and path take {len(data)} bytes; the step channel "
+                             f"holds {len(self.words) * 4}")
+        self.words[:_HEADER] = (CMD_ADD_LORA, request.lora_int_id, len(data), 0)
+        self.words[_HEADER:total] = words
+        for event in self.events:
+            event.set()
+
     def send_exit(self) -> None:
         """Rank 0: tell every worker to leave its loop."""
         self.words[0] = CMD_EXIT
         for event in self.events:
             event.set()
 
-    def receive(self, event: Any) -> tuple[list[tuple[Any, int]], list[int]] | EmbedInput | None:
+    def receive(self, event: Any) -> tuple[list[tuple[Any, int]], list[int]] | EmbedInput | AddLoRA | None:
         """Worker: wait for the next command: a step ((stand-in sequence, num_new) list and logits counts),
-        an embeddings input, or None (exit)."""
+        an embeddings input, a LoRA adapter, or None (exit)."""
         event.wait()
         event.clear()
         w = self.words
@@ -217,19 +240,26 @@ class StepChannel:
             return None
         if cmd == CMD_EMBED:
             return EmbedInput(w[_HEADER : _HEADER + num_tokens].tolist())
+        if cmd == CMD_ADD_LORA:
+            from batchinfer.engine.lora.request import LoRARequest
+
+            lora_id, size = num_seqs, num_tokens
+            name, path = json.loads(w[_HEADER : _HEADER + -(-size // 4)].tobytes()[:size])
+            self.loras[lora_id] = LoRARequest(name, lora_id, path)
+            return AddLoRA(self.loras[lora_id])
         offset = _HEADER
-        meta = w[offset : offset + 4 * num_seqs].tolist()
-        offset += 4 * num_seqs
+        meta = w[offset : offset + _META * num_seqs].tolist()
+        offset += _META * num_seqs
         tokens = w[offset : offset + num_tokens].tolist()
         offset += num_tokens
         blocks = w[offset : offset + num_blocks].tolist()
         scheduled, counts = [], []
         token_at = block_at = 0
         for i in range(num_seqs):
-            begin, num_new, nb, count = meta[4 * i : 4 * i + 4]
+            begin, num_new, nb, count, lora_id = meta[_META * i : _META * (i + 1)]
             counts.append(count)
             window = _TokenWindow(begin, tokens[token_at : token_at + num_new])
-            seq = StepSequence(window, begin, blocks[block_at : block_at + nb])
+            seq = StepSequence(window, begin, blocks[block_at : block_at + nb], self.loras.get(lora_id))
             scheduled.append((seq, num_new))
             token_at += num_new
             block_at += nb
@@ -241,6 +271,13 @@ class StepChannel:
         self.shm.close()
         if self.owner:
             self.shm.unlink()
+
+
+@dataclass
+class AddLoRA:
+    """A LoRA adapter announced to a worker rank: it loads its share (then joins all_reduce_min_int)."""
+
+    request: Any  # lora.request.LoRARequest
 
 
 @dataclass
@@ -274,3 +311,4 @@ class StepSequence:
     token_ids: Any
     num_computed_tokens: int
     block_table: list[int]
+    lora_request: Any = None  # the LoRARequest announced under the step's LoRA id (None: the base model)

@@ -20,10 +20,8 @@ EMBEDDINGS_NEED_ONE_STAGE = (
     "embeddings need pipeline_parallel_size=1 on this worker (the pooled last hidden state lives on no "
     "single stage); serve /v1/embeddings from a worker with pipeline_parallel_size=1"
 )
-# What a parallel runner raises for a LoRA adapter (EngineConfig refuses enable_lora with them first).
-LORA_NEEDS_ONE_RANK = (
-    "enable_lora: LoRA adapters run with tensor_parallel_size=1 and pipeline_parallel_size=1 only"
-)
+# What a pipeline runner raises for a LoRA adapter (EngineConfig refuses enable_lora with stages first).
+LORA_NEEDS_ONE_RANK = "enable_lora: LoRA adapters run with pipeline_parallel_size=1 only"
 
 
 class ModelRunnerProtocol(Protocol):

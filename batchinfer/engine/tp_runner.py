@@ -38,7 +38,6 @@ from batchinfer.engine.errors import RankFailedError
 from batchinfer.engine.model_runner import ModelRunner
 from batchinfer.engine.rank_processes import CONTEXT, RankProcess, spawn_rank, wait_started
 from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
-from batchinfer.engine.runner_protocol import LORA_NEEDS_ONE_RANK
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +85,11 @@ def _free_port() -> int:
 
 
 def _step_capacity_words(config: EngineConfig, max_model_len: int) -> int:
-    """Upper bound of one command: a step's layout (4 words per sequence, its new tokens, its block table)
-    or an embeddings input (up to max_model_len token ids)."""
+    """Upper bound of one command: a step's layout (5 words per sequence, its new tokens, its block table),
+    an embeddings input (up to max_model_len token ids) or a LoRA adapter's name and path (4 KiB)."""
     max_blocks = math.ceil(max_model_len / config.block_size)
-    step = 4 * config.max_num_seqs + config.max_num_batched_tokens + config.max_num_seqs * max_blocks
-    return max(step, max_model_len)
+    step = 5 * config.max_num_seqs + config.max_num_batched_tokens + config.max_num_seqs * max_blocks
+    return max(step, max_model_len, 1024)
 
 
 def _threads_per_rank(tp_size: int) -> int:
@@ -111,6 +110,7 @@ class TensorParallelRunner:
         self._ranks: list[RankProcess] = []
         self.channel: distributed.StepChannel | None = None
         self._joined = False
+        self._loras_announced: set[int] = set()  # LoRA ids every worker rank has loaded (CMD_ADD_LORA)
         tp_size = config.tensor_parallel_size
         device = config.resolved_device()
         check_tensor_parallel_size(tp_size, model.hf_config, device)
@@ -178,8 +178,17 @@ class TensorParallelRunner:
         return vectors
 
     def add_lora(self, lora_request: Any) -> None:
-        """Refused: adapters run on one rank (EngineConfig refuses enable_lora here before this)."""
-        raise ValueError(LORA_NEEDS_ONE_RANK)
+        """Check the adapter on rank 0 (its share; shapes whole), then have every worker load its share."""
+        runner, channel = self._rank0(), self._channel()
+        runner.add_lora(lora_request)  # a LoRAError here (or the same-id check): nothing was sent
+        if lora_request.lora_int_id in self._loras_announced:
+            return
+        self._check_workers_alive()
+        channel.send_add_lora(lora_request)
+        if distributed.all_reduce_min_int(1, runner.device) != 1:
+            raise ValueError(f"lora_request: a tensor-parallel rank could not load {lora_request.lora_path} "
+                             "(see its log)")
+        self._loras_announced.add(lora_request.lora_int_id)
 
     def _channel(self) -> distributed.StepChannel:
         if self.closed or self.channel is None:
@@ -236,7 +245,14 @@ def _worker_main(
         runner = ModelRunner(config, model)
         while (command := channel.receive(event)) is not None:
             try:
-                if isinstance(command, distributed.EmbedInput):
+                if isinstance(command, distributed.AddLoRA):
+                    loaded = 0
+                    try:
+                        runner.add_lora(command.request)
+                        loaded = 1
+                    finally:  # rank 0 waits in this collective: join it whatever happened
+                        distributed.all_reduce_min_int(loaded, runner.device)
+                elif isinstance(command, distributed.EmbedInput):
                     runner.embed([command.token_ids])
                 else:
                     runner.execute_model(*command)

@@ -154,8 +154,8 @@ def test_engine_options_are_checked() -> None:
     with pytest.raises(ValueError, match="max_lora_rank"):
         EngineConfig(model="m", max_lora_rank=0)
     assert EngineConfig(model="m", max_loras=3).max_cpu_loras == 3
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=1"):
+        EngineConfig(model="m", enable_lora=True, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("a", 0, "/x")
 

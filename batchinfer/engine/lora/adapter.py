@@ -9,9 +9,14 @@ gate_up_proj, so an adapter is stored per engine module as one pair:
     b [out, R]   block-diagonal: slice s's rows of the fused output take scaling_s * B_s in s's rank columns
 
 so x @ a.T @ b.T is the fused module's whole delta in two matmuls; a slice the adapter leaves alone has no
-rank columns (its output rows get exact zeros). Everything an adapter could get wrong (missing files, a
-rank above max_lora_rank, another base model's shapes, DoRA, biases, other modules) is a LoRAError here,
-naming the file or tensor, before any request runs under it.
+rank columns (its output rows get exact zeros). Under tensor parallelism each rank keeps its share, as the
+base weight is split: a column-parallel module (qkv, gate_up) keeps all of A and its output rows of B (KV
+rows chosen like the base's, replicated KV heads included); a row-parallel one (o, down) keeps its input
+columns of A and all of B, so the ranks' partial deltas, added before the all-reduce, sum to the delta.
+
+Everything an adapter could get wrong (missing files, a rank above max_lora_rank, another base model's
+shapes, DoRA, biases, other modules) is a LoRAError here, naming the file or tensor, before any request
+runs under it.
 """
 
 from __future__ import annotations
@@ -59,17 +64,39 @@ class ModuleLayout:
     output_sizes: tuple[int, ...]
 
 
-def module_layouts(hf_config: Any) -> dict[str, ModuleLayout]:
-    """Engine module name -> its layout, from the base model's config (one rank: no tensor parallelism)."""
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # input features split across ranks (the rest: output)
+
+
+def module_layouts(hf_config: Any, tp_size: int = 1) -> dict[str, ModuleLayout]:
+    """Engine module name -> its layout on one of tp_size ranks, from the base model's config."""
+    from batchinfer.engine.layers.linear import local_kv_heads
+
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+    q, kv = heads // tp_size * head_dim, local_kv_heads(kv_heads, tp_size) * head_dim
     return {
-        "qkv_proj": ModuleLayout(hidden, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)),
-        "o_proj": ModuleLayout(heads * head_dim, (hidden,)),
-        "gate_up_proj": ModuleLayout(hidden, (inter, inter)),
-        "down_proj": ModuleLayout(inter, (hidden,)),
+        "qkv_proj": ModuleLayout(hidden, (q, kv, kv)),
+        "o_proj": ModuleLayout(heads * head_dim // tp_size, (hidden,)),
+        "gate_up_proj": ModuleLayout(hidden, (inter // tp_size, inter // tp_size)),
+        "down_proj": ModuleLayout(inter // tp_size, (hidden,)),
     }
+
+
+def _rank_share(module: str, index: int, a: torch.Tensor, b: torch.Tensor, local: ModuleLayout,
+                tp_rank: int, tp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (A, B) of one slice: A's input columns (row-parallel) or B's output rows (column)."""
+    if tp_size == 1:
+        return a, b
+    if module in ROW_PARALLEL:
+        width = local.input_size
+        return a[:, tp_rank * width : (tp_rank + 1) * width], b
+    rows = local.output_sizes[index]
+    shard = tp_rank
+    if module == "qkv_proj" and index > 0:  # K / V: the base's choice of KV head (replicated when few)
+        num_shards = b.shape[0] // rows
+        shard = tp_rank * num_shards // tp_size
+    return a, b[shard * rows : (shard + 1) * rows]
 
 
 @dataclass
@@ -145,8 +172,13 @@ def load_adapter(
     max_lora_rank: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> LoRAAdapter:
-    """Read a PEFT adapter directory into the fused layouts of `hf_config`'s model; LoRAError if unfit."""
+    """Read a PEFT adapter directory into the fused layouts of `hf_config`'s model; LoRAError if unfit.
+
+    tp_rank / tp_size: the share of one tensor-parallel rank (module docstring); shapes are checked whole.
+    """
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -171,6 +203,7 @@ def load_adapter(
     if not pairs:
         raise LoRAError(ADAPTER_WEIGHTS, "holds no LoRA weights")
     layouts = module_layouts(hf_config)
+    local_layouts = module_layouts(hf_config, tp_size)
     slices: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     max_rank = 0
     for (layer, target), pair in sorted(pairs.items()):
@@ -193,11 +226,12 @@ def load_adapter(
             raise LoRAError(f"{prefix}.lora_A.weight", f"rank {rank} exceeds max_lora_rank={max_lora_rank}; "
                             f"raise max_lora_rank (--max-lora-rank) to at least {rank}")
         max_rank = max(max_rank, rank)
+        a, b = _rank_share(module, index, a, b, local_layouts[module], tp_rank, tp_size)
         scaled_b = b.to(torch.float32) * lora_scaling(config, rank)
         slices.setdefault((layer, module), {})[index] = (a.to(torch.float32), scaled_b)
     adapter = LoRAAdapter(name=name, path=str(path), rank=max_rank)
     for (layer, module), parts in slices.items():
-        a, b = _fuse(parts, layouts[module])
+        a, b = _fuse(parts, local_layouts[module])
         adapter.weights[f"layers.{layer}.{module}"] = LoRALayerWeights(
             a.to(dtype=dtype, device=device).contiguous(), b.to(dtype=dtype, device=device).contiguous()
         )

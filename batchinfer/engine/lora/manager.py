@@ -15,6 +15,7 @@ import torch
 from cachetools import LRUCache
 from torch import nn
 
+from batchinfer.engine.distributed import tp_rank, tp_world_size
 from batchinfer.engine.lora.adapter import TARGET_MODULES, LoRAAdapter, LoRAError, load_adapter
 from batchinfer.engine.lora.layers import LoRABatch, StackCache, build_lora_batch
 from batchinfer.engine.lora.request import LoRARequest
@@ -68,7 +69,8 @@ class LoRAManager:
         adapter = self.loaded.get(request.lora_int_id)
         if adapter is None:
             adapter = load_adapter(request.lora_name, request.lora_path, hf_config=self.hf_config,
-                                   max_lora_rank=self.max_lora_rank, dtype=self.dtype, device=self.device)
+                                   max_lora_rank=self.max_lora_rank, dtype=self.dtype, device=self.device,
+                                   tp_rank=tp_rank(), tp_size=tp_world_size())  # this rank's share
             self.num_loads += 1
             self._identities[request.lora_int_id] = (request.lora_name, request.lora_path)
             self.loaded[request.lora_int_id] = adapter
