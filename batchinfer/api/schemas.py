@@ -42,6 +42,9 @@ class CreateBatchRequest(BaseModel):
         "Extension: requests per shard; default the server's shard_size setting."))
     output_expires_after: ExpiresAfter | None = Field(None, description=(
         "When the output and error files expire: the batch and its results are purged then."))
+    max_total_tokens: int | None = Field(None, ge=1, le=2**62, description=(
+        "Extension: the batch's token budget (prompt + completion tokens of all its lines); lines past it "
+        "end with a `budget_exceeded` error, finished lines are kept. Default: none."))
     result_cache: Literal["use", "refresh", "off"] | None = Field(None, description=(
         "Extension: 'use' serves deterministic lines (temperature 0 or a seed) computed before for this "
         "owner from the result cache, 'refresh' computes them again and replaces, 'off' neither; default "
@@ -132,6 +135,8 @@ class BatchObject(BaseModel):
     request_counts: RequestCounts
     metadata: dict[str, str] | None = None
     usage: dict[str, Any]
+    max_total_tokens: int | None = Field(None, description=(
+        "Extension: the batch's token budget, when it has one; usage never exceeds it."))
     progress: BatchProgress
     result_cache: ResultCacheCounts | None = None
 

@@ -129,6 +129,9 @@ submit_options = [
     click.option("--on-invalid", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
                  help="skip: a bad line becomes an errored request; fail: the whole job fails (OpenAI)."),
     click.option("--completion-window", default=None, help="e.g. 24h (default: settings.completion_window)."),
+    click.option("--max-total-tokens", type=click.IntRange(min=1), default=None,
+                 help="The job's token budget (prompt + completion, all lines): lines past it end with a "
+                 "budget_exceeded error, finished lines are kept (default: none)."),
 ]
 
 
@@ -156,7 +159,8 @@ def _with_submit_options(func: Any) -> Any:
               help="Print only the batch id: ID=$(batchinfer submit -q f.jsonl); the exit code tells more.")
 @json_option("Print the batch object as JSON (with --wait: the submitted one, then the final one).")
 def submit(file: Path, model: str | None, shard_size: int | None, priority: int, metadata: tuple[str, ...],
-           idempotency_key: str | None, on_invalid: str, completion_window: str | None, wait: bool,
+           idempotency_key: str | None, on_invalid: str, completion_window: str | None,
+           max_total_tokens: int | None, wait: bool,
            timeout: float | None, update_interval: float, output: Path | None, errors: Path | None,
            quiet: bool, as_json: bool) -> None:
     """Submit a JSONL file of requests as a batch job; prints its batch id (with --wait, first)."""
@@ -169,7 +173,7 @@ def submit(file: Path, model: str | None, shard_size: int | None, priority: int,
         batch = backend.submit(file, model=model or settings.default_model, shard_size=shard_size,
                                priority=priority, metadata=_metadata(metadata),
                                idempotency_key=idempotency_key, on_invalid=on_invalid,
-                               completion_window=completion_window)
+                               completion_window=completion_window, max_total_tokens=max_total_tokens)
         if quiet and not as_json:
             click.echo(batch["id"])  # the bare id, first, whatever follows
         if wait:

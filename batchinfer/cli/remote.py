@@ -109,7 +109,8 @@ class RemoteClient:
     def create_batch(self, input_file_id: str, *, endpoint: str | None = None, completion_window: str = "24h",
                      metadata: dict[str, str] | None = None, model: str | None = None,
                      idempotency_key: str | None = None, on_invalid: str | None = None,
-                     priority: int | None = None, shard_size: int | None = None) -> dict[str, Any]:
+                     priority: int | None = None, shard_size: int | None = None,
+                     max_total_tokens: int | None = None) -> dict[str, Any]:
         """Create a batch from an uploaded file; returns the Batch object.
 
         With `idempotency_key` the server returns the batch it first created under that key (a retried
@@ -117,7 +118,7 @@ class RemoteClient:
         body: dict[str, Any] = {"input_file_id": input_file_id, "endpoint": endpoint,
                                 "completion_window": completion_window}  # endpoint None: lines may mix both
         extensions = {"metadata": metadata or None, "model": model or None, "on_invalid": on_invalid,
-                      "priority": priority, "shard_size": shard_size}
+                      "priority": priority, "shard_size": shard_size, "max_total_tokens": max_total_tokens}
         body.update({key: value for key, value in extensions.items() if value is not None})
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return self._request("POST", "/batches", json=body, headers=headers,
@@ -126,7 +127,8 @@ class RemoteClient:
     def submit(self, path: str | Path, *, model: str | None = None, metadata: dict[str, str] | None = None,
                completion_window: str = "24h", endpoint: str | None = None,
                idempotency_key: str | None = None, on_invalid: str | None = None,
-               priority: int | None = None, shard_size: int | None = None) -> dict[str, Any]:
+               priority: int | None = None, shard_size: int | None = None,
+               max_total_tokens: int | None = None) -> dict[str, Any]:
         """Upload `path` and create a batch from it; returns the Batch object.
 
         Without `endpoint` each line may use either endpoint (as `batchinfer submit` does locally)."""
@@ -134,7 +136,7 @@ class RemoteClient:
         return self.create_batch(uploaded["id"], endpoint=endpoint,
                                  completion_window=completion_window, metadata=metadata, model=model,
                                  idempotency_key=idempotency_key, on_invalid=on_invalid, priority=priority,
-                                 shard_size=shard_size)
+                                 shard_size=shard_size, max_total_tokens=max_total_tokens)
 
     def get(self, batch_id: str, *, retry_seconds: float | None = None) -> dict[str, Any]:
         """The Batch object of `batch_id` (retried for `retry_seconds`, default the client's)."""

@@ -56,7 +56,8 @@ logger = logging.getLogger("batchinfer.cli")
 @json_option("Print the final batch object as JSON.")
 def run(file: Path | None, input_path: Path | None, output: Path, errors: Path | None, errors_in_output: bool,
         model: str | None, shard_size: int | None, priority: int, metadata: tuple[str, ...],
-        idempotency_key: str | None, on_invalid: str, completion_window: str | None, device: str | None,
+        idempotency_key: str | None, on_invalid: str, completion_window: str | None,
+        max_total_tokens: int | None, device: str | None,
         dtype: str | None, max_model_len: int | None, tensor_parallel_size: int | None,
         pipeline_parallel_size: int | None, quantization: str | None, served_model_name: tuple[str, ...],
         show: int, as_json: bool) -> None:
@@ -87,6 +88,7 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
         batch = backend.submit(source, model=model, shard_size=shard_size, priority=priority,
                                metadata=_metadata(metadata), idempotency_key=idempotency_key,
                                on_invalid=on_invalid, completion_window=completion_window,
+                               max_total_tokens=max_total_tokens,
                                served_names=frozenset(served_model_name))
     except BackendError as exc:
         fail(str(exc))

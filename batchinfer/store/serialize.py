@@ -175,6 +175,7 @@ def batch_object(job: Job, *, now: datetime | None = None, served_models: Collec
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": job.prompt_tokens + job.completion_tokens,
         },
+        "max_total_tokens": job.max_total_tokens,  # extension: the token budget (None: none), store.budgets
         "progress": _progress(job, now, waiting_note(job, served_models) if served_models is not None
                               else None, started_at, inflight),
         "result_cache": {"mode": job.result_cache, "hits": job.result_cache_hits,  # store/result_cache.py
