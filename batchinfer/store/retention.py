@@ -5,7 +5,8 @@ What goes, at each pass (`batchinfer purge`, and the `purge` duty of beat / the 
 - a finished job (terminal status) whose output expired: `output_expires_after` seconds after it
   ended (the batch's own policy), else `finished_job_retention_seconds` after it ended (the setting,
   30 days by default; 0 or "none": kept). Its request rows, shards and the job row go; batches made
-  from a deleted file keep their own rows until then.
+  from a deleted file keep their own rows until then;
+- a result-cache body (store/result_cache.py) unused for `finished_job_retention_seconds`.
 
 Each job is deleted in its own transaction (its requests by primary-key range first, so a million-row
 job never holds one huge cascade), so a purge may stop anywhere and the next one finishes the work.
@@ -33,6 +34,7 @@ from batchinfer.store.models import (
     utcnow,
 )
 from batchinfer.store.quotas import charge_storage
+from batchinfer.store.result_cache import purge_unused
 
 PURGE_BATCH = 500  # jobs or files looked at per query
 
@@ -43,6 +45,7 @@ class PurgeReport:
 
     files: list[int] = field(default_factory=list)
     jobs: list[int] = field(default_factory=list)
+    result_bodies: int = 0
 
 
 def purge(session: Session, *, settings: Settings, now: datetime | None = None) -> PurgeReport:
@@ -71,6 +74,8 @@ def purge(session: Session, *, settings: Settings, now: datetime | None = None) 
             if held is not None:
                 charge_storage(session, owner=held[0], delta=-int(held[1]))
         report.jobs.append(job_id)
+    retention = settings.finished_job_retention_seconds
+    report.result_bodies = purge_unused(session, older_than_s=retention, now=now)
     return report
 
 

@@ -31,8 +31,8 @@ def live(tmp_path: Path, sqlite_url: str, tiny_llama: Path, make_key):
     from workers.process import make_runner, poll_forever
 
     runner = make_runner(model=str(tiny_llama), settings=settings)
-    thread = threading.Thread(target=poll_forever, args=(runner,), kwargs={"stop": stop, "max_backoff_s": 0.2},
-                              daemon=True, name="local-worker")
+    thread = threading.Thread(target=poll_forever, args=(runner,), daemon=True, name="local-worker",
+                              kwargs={"stop": stop, "max_backoff_s": 0.2})
     with serve(create_app(settings)) as base:
         thread.start()
         yield base, alice, bob

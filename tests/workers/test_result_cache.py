@@ -101,7 +101,8 @@ def _night_two(url: str, model: Path, tmp_path: Path) -> None:
     assert {line["provenance"]["result_cache"] for line in off_lines} == {"miss"}
 
 
-def test_night_two_computes_only_what_changed_sqlite(sqlite_url: str, tiny_llama: Path, tmp_path: Path) -> None:
+def test_night_two_computes_only_what_changed_sqlite(sqlite_url: str, tiny_llama: Path,
+                                                     tmp_path: Path) -> None:
     _night_two(sqlite_url, tiny_llama, tmp_path)
 
 
