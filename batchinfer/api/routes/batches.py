@@ -166,7 +166,6 @@ async def create_batch(
                   on_invalid=body.on_invalid or "skip", priority=body.priority or 0,
                   shard_size=body.shard_size, output_expires_after=expiry.seconds if expiry else None,
                   max_total_tokens=body.max_total_tokens,
-                  max_total_tokens=body.max_total_tokens,
                   result_cache=body.result_cache, reserve=partial(_reserve, settings=settings, file=file))
     future = ingest_pool(request.app).submit(owner, _submit, factory, settings, kwargs)  # owners take turns
     try:
