@@ -76,9 +76,10 @@ class LocalBackend:
     def submit(self, path: Path, *, model: str, shard_size: int | None, priority: int,
                metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
                completion_window: str | None, max_total_tokens: int | None = None,
-               served_names: frozenset[str] | None = None) -> dict[str, Any]:
-        """Ingest `path` as a job and announce its shards when a broker is configured (`served_names`:
-        the job runs in this process, see store.line_models)."""
+               served_names: frozenset[str] | None = None,
+               adapter_names: frozenset[str] = frozenset()) -> dict[str, Any]:
+        """Ingest `path` as a job and announce its shards when a broker is configured (`served_names`,
+        `adapter_names`: the job runs in this process, see store.line_models)."""
         from batchinfer.store.errors import JobError  # a bad argument (window, metadata, on_invalid, ...)
         from workers.dispatch import broker_problem, submit_and_announce
 
@@ -92,7 +93,7 @@ class LocalBackend:
                                           metadata=metadata, idempotency_key=idempotency_key,
                                           on_invalid=on_invalid, completion_window=completion_window,
                                           max_total_tokens=max_total_tokens,
-                                          served_names=served_names)
+                                          served_names=served_names, adapter_names=adapter_names)
             except JobError as exc:
                 raise BackendError(str(exc)) from None
             return self._batch(job, session)

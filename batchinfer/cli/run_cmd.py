@@ -6,6 +6,8 @@ into the results file, in input order, as vLLM does (by default they go to a fil
 vLLM's engine flags (`--dtype`, `--max-model-len`, `--tensor-parallel-size`, `--pipeline-parallel-size`,
 `--quantization`) set the engine's knobs, and `--served-model-name NAME` lets lines whose body.model is
 NAME run on the model; a line naming any other model errors alone (`model_not_found`), as vLLM answers it.
+`--lora-modules NAME=PATH` serves PEFT LoRA adapters beside the model (cli/lora_options.py): a line whose
+body.model is NAME runs under that adapter, in shards of its own.
 
 The model, the device and the engine knobs are checked before the job exists (one line, exit 1); an
 engine that still cannot start fails its job (exit 4) rather than leaving it in_progress for its window.
@@ -21,6 +23,7 @@ import click
 import orjson
 
 from batchinfer.cli.jobs import _metadata, _print_batch, _with_submit_options, exit_code_for
+from batchinfer.cli.lora_options import check_adapters, lora_options, with_lora_settings
 from batchinfer.cli.output import EXIT_FAILED, dumps, fail, input_file, json_option
 from batchinfer.cli.progress import JobProgress
 from batchinfer.cli.result_files import default_errors_path, write_error_lines, write_lines
@@ -52,6 +55,7 @@ logger = logging.getLogger("batchinfer.cli")
               help="int8 or gguf weights on CPU (default: settings.quantization).")
 @click.option("--served-model-name", multiple=True, metavar="NAME",
               help="Another name of the model: lines whose body.model is NAME run on it (repeatable).")
+@lora_options
 @click.option("--show", type=int, default=0, help="Print the first N results when done.")
 @json_option("Print the final batch object as JSON.")
 def run(file: Path | None, input_path: Path | None, output: Path, errors: Path | None, errors_in_output: bool,
@@ -60,6 +64,8 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
         max_total_tokens: int | None, device: str | None,
         dtype: str | None, max_model_len: int | None, tensor_parallel_size: int | None,
         pipeline_parallel_size: int | None, quantization: str | None, served_model_name: tuple[str, ...],
+        lora_modules: tuple[str, ...], max_loras: int | None, max_lora_rank: int | None,
+        max_cpu_loras: int | None,
         show: int, as_json: bool) -> None:
     """Run a JSONL file end to end in this process: submit, infer, export (no broker needed)."""
     from batchinfer.cli.backend import BackendError, LocalBackend
@@ -74,8 +80,12 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
     if errors_in_output and errors is not None:
         fail("--errors-in-output writes the errors into OUTPUT: drop --errors, or drop --errors-in-output")
     input_file(source)
-    settings = cli_settings()
+    settings = with_lora_settings(cli_settings(), lora_modules=lora_modules, max_loras=max_loras,
+                                  max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
     model = model or settings.default_model
+    clash = sorted(set(settings.lora_modules) & {model, *served_model_name})
+    if clash:
+        fail(f"--lora-modules: {clash[0]!r} is already the model's name; give the adapter another name")
     overrides = {name: value for name, value in (
         ("device", device), ("dtype", dtype), ("max_model_len", max_model_len),
         ("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size),
@@ -83,13 +93,15 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
     if not as_json:
         click.echo(f"loading {model} ...", err=True)
     _check_engine(model, settings.engine_kwargs() | overrides)
+    check_adapters(settings, model, settings.engine_kwargs() | overrides)
     backend = LocalBackend(settings)
     try:
         batch = backend.submit(source, model=model, shard_size=shard_size, priority=priority,
                                metadata=_metadata(metadata), idempotency_key=idempotency_key,
                                on_invalid=on_invalid, completion_window=completion_window,
                                max_total_tokens=max_total_tokens,
-                               served_names=frozenset(served_model_name))
+                               served_names=frozenset(served_model_name),
+                               adapter_names=frozenset(settings.lora_modules))
     except BackendError as exc:
         fail(str(exc))
     if batch["status"] == "in_progress":

@@ -107,6 +107,7 @@ def submit_job(
     max_total_tokens: int | None = None,
     result_cache: str | None = None,
     served_names: frozenset[str] | None = None,
+    adapter_names: frozenset[str] = frozenset(),
     reserve: Callable[[Session, Job], None] | None = None,
 ) -> Job:
     """Create a job from a JSONL file (`path`, or a binary `stream`), ingest it and cut it into shards.
@@ -117,7 +118,8 @@ def submit_job(
     Unset shard_size, completion_window and limits come from `settings`; JobError for a bad argument.
     `output_expires_after`: seconds after the job ends that its rows are kept (store.retention).
     `result_cache`: use | refresh | off (store/result_cache.py); None: the setting's default.
-    `served_names`: the job runs in this process on `model` alone, also called these names (line_models.py).
+    `served_names`: the job runs in this process on `model` alone, also called these names (line_models.py),
+    with the LoRA adapters `adapter_names`.
     `reserve(session, job)`: runs in the transaction inserting the job, before it (store.quotas.reserve_job).
     """
     if (path is None) == (stream is None):
@@ -174,7 +176,8 @@ def submit_job(
     try:
         with IngestLease.of_session(session, job_id=job.id, owner=job.ingest_owner,
                                     lease_seconds=settings.ingest_lease_seconds) as lease:
-            _ingest(session, job, file or stream, limits, settings.max_attempts, lease.check, served_names)
+            _ingest(session, job, file or stream, limits, settings.max_attempts, lease.check, served_names,
+                    adapter_names)
     except IngestLeaseLost:  # the rescuer failed the job meanwhile: drop what this submit wrote since
         session.rollback()
         with write_transaction(session):
@@ -206,11 +209,13 @@ def job_id_by_idempotency_key(session: Session, *, owner: str, key: str) -> int 
 
 
 def _ingest(session: Session, job: Job, stream: BinaryIO, limits: IngestLimits, max_attempts: int,
-            check_lease: Callable[[], None], served_names: frozenset[str] | None = None) -> None:
+            check_lease: Callable[[], None], served_names: frozenset[str] | None = None,
+            adapter_names: frozenset[str] = frozenset()) -> None:
     stop_after = MAX_LISTED_ERRORS if job.on_invalid == "fail" else None
     bind = session.get_bind()
     engine = bind if isinstance(bind, Engine) else bind.engine
-    routing = ModelRouting.at_ingest(session, default=job.model, served_names=served_names)
+    routing = ModelRouting.at_ingest(session, default=job.model, served_names=served_names,
+                                     adapter_names=adapter_names)
     result = ingest_file(engine, job_id=job.id, stream=stream, limits=limits, endpoint=job.endpoint,
                          stop_after_errors=stop_after, check_lease=check_lease, routing=routing)
     if result.fatal is None and result.valid == 0:

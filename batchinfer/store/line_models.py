@@ -6,8 +6,10 @@ a worker of that model (or expire with the job) rather than every line being ref
 model that is not served errors alone with code `model_not_found`, naming the models served.
 
 A job run in one process (`batchinfer run`) serves only its model, under that name and its
-`--served-model-name`s (vLLM's flag): a line naming one of those runs on the job's model, any other is
-`model_not_found` (as vLLM answers that request), whatever workers are live.
+`--served-model-name`s (vLLM's flag), and its `--lora-modules` adapters: a line naming one of the names
+runs on the job's model, one naming an adapter runs under it (in shards of that adapter's name, as a
+worker's served adapters are models of the registry), any other is `model_not_found` (as vLLM answers
+that request, listing the served names), whatever workers are live.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ class ModelRouting:
     aliases: frozenset[str] = frozenset()  # other names of the default model (vLLM's --served-model-name)
 
     @classmethod
-    def at_ingest(cls, session: Session, *, default: str,
-                  served_names: frozenset[str] | None = None) -> ModelRouting:
+    def at_ingest(cls, session: Session, *, default: str, served_names: frozenset[str] | None = None,
+                  adapter_names: frozenset[str] = frozenset()) -> ModelRouting:
         """The routing of a job of `default` submitted now: from the worker registry, or, when
-        `served_names` is given (a job run in this process), only `default` under those names."""
+        `served_names` is given (a job run in this process), only `default` under those names and the
+        LoRA adapters of `adapter_names` (each line naming one runs in that adapter's shards)."""
         if served_names is not None:
-            return cls(default, served_names | {default}, aliases=served_names)
+            return cls(default, served_names | adapter_names | {default}, aliases=served_names)
         served = served_models(session)
         return cls(default, frozenset(served) | {default} if served else None)
 
