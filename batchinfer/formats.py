@@ -23,7 +23,7 @@ from enum import StrEnum
 from typing import Any
 
 import orjson
-from cachetools import LRUCache
+from cachetools import FIFOCache
 
 from batchinfer import embedding_lines, request_options, responses_lines
 from batchinfer.engine.grammars import DEFAULT_GRAMMAR_BUDGET, GrammarBudget, using_budget
@@ -220,14 +220,13 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
     # Files repeat a handful of sampling configurations: build (and so validate) each distinct one once
     # and share it. The key is the JSON text, so 1, 1.0 and true stay distinct.
     try:
-        key = (endpoint, budget, orjson.dumps(options))
+        key = (endpoint, orjson.dumps(options), *astuple_budget(budget))
     except orjson.JSONEncodeError:  # orjson writes 254 levels but reads 1024: the row could not be stored
         raise _too_deep(options, fail) from None
-    with _OPTIONS_LOCK:
-        entry = _OPTIONS_CACHE.get(key)
+    entry = _OPTIONS_CACHE.get(key)  # a read needs no lock: FIFO order does not move on a hit
     if entry is None:
         with using_budget(budget):
-            entry = (_check_options(endpoint, options), _OPTIONS_ENTRY_FACTOR * len(key[2]) + 512)
+            entry = (_check_options(endpoint, options), _OPTIONS_ENTRY_FACTOR * len(key[1]) + 512)
         with _OPTIONS_LOCK, contextlib.suppress(ValueError):  # ValueError: larger than the whole cache
             _OPTIONS_CACHE[key] = entry
     checked = entry[0]
@@ -249,9 +248,14 @@ _EMBEDDING_PARAMS = SamplingParams(max_tokens=None)
 # distinct 1 MB line costs ~5 MB here and the whole cache at most OPTIONS_CACHE_BYTES.
 OPTIONS_CACHE_BYTES = 64 << 20
 _OPTIONS_ENTRY_FACTOR = 5
-_OPTIONS_CACHE: LRUCache[tuple[Endpoint, GrammarBudget, bytes], tuple[SamplingParams | LineError, int]] = \
-    LRUCache(maxsize=OPTIONS_CACHE_BYTES, getsizeof=lambda entry: entry[1])  # (checked, bytes counted)
-_OPTIONS_LOCK = threading.Lock()  # the API ingests on several threads; cachetools' caches are not safe
+_OPTIONS_CACHE: FIFOCache[tuple[Any, ...], tuple[SamplingParams | LineError, int]] = \
+    FIFOCache(maxsize=OPTIONS_CACHE_BYTES, getsizeof=lambda entry: entry[1])  # (checked, bytes counted)
+_OPTIONS_LOCK = threading.Lock()  # writes: the API ingests on several threads (reads are dict reads)
+
+
+def astuple_budget(budget: GrammarBudget) -> tuple[int, int, float]:
+    """The budget's values, for a cache key (plain values hash faster than the dataclass)."""
+    return budget.max_depth, budget.max_bytes, budget.timeout_s
 
 
 def _too_deep(options: dict[str, Any], fail: Any) -> LineError:
