@@ -116,3 +116,12 @@ def test_lora_error_carries_its_field(tiny_llama, copy_adapter) -> None:
         load_adapter("x", adapter, hf_config=AutoConfig.from_pretrained(tiny_llama), max_lora_rank=16,
                      dtype=torch.float32)
     assert info.value.field == f"{ADAPTER_CONFIG}: use_dora"
+
+
+def test_adapter_fingerprint_follows_the_files(copy_adapter, good_adapter) -> None:
+    from batchinfer.engine.lora.adapter import adapter_fingerprint
+
+    adapter = copy_adapter()
+    assert adapter_fingerprint(adapter) == adapter_fingerprint(good_adapter)  # same files, another place
+    _edit_config(adapter, lora_alpha=32)
+    assert adapter_fingerprint(adapter) != adapter_fingerprint(good_adapter)

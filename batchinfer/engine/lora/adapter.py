@@ -158,6 +158,20 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     return config
 
 
+def adapter_fingerprint(path: str | Path) -> str:
+    """sha256 of an adapter's config and weights files: what a result cache or provenance record should key
+    an adapter's outputs on (its served name may point at other weights tomorrow)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        digest.update(name.encode())
+        with open(Path(path) / name, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def lora_scaling(config: dict[str, Any], rank: int) -> float:
     """lora_alpha / r, or lora_alpha / sqrt(r) when the adapter was trained with use_rslora."""
     alpha = float(config["lora_alpha"])
