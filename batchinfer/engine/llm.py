@@ -123,8 +123,10 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate (lora_request: as
+        generate's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
@@ -140,7 +142,7 @@ class LLM:
         ]
         # The template already holds BOS and friends: encode without adding them again.
         token_ids = [self.engine.tokenize(text, add_special_tokens=False) for text in texts]
-        outputs = self._run(token_ids, sampling_params, use_tqdm=use_tqdm)
+        outputs = self._run(token_ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text
         return outputs

@@ -176,3 +176,13 @@ def test_lora_requests_info_names_running_and_waiting_adapters(make_llm, tiny_ll
     assert [seq.request_id for seq in engine.scheduler.running] == ["r0"]
     while engine.has_unfinished():
         engine.step()
+
+
+def test_chat_takes_a_lora_request(make_llm, tiny_llama, adapters) -> None:
+    llm = make_llm(tiny_llama, enable_lora=True)
+    lora = LoRARequest("a1", 1, str(adapters["a1"]))
+    conversation = [{"role": "user", "content": "the cat reads the prompt"}]
+    chat = llm.chat(conversation, GREEDY, lora_request=lora)[0]
+    plain = llm.generate([chat.prompt_token_ids], GREEDY, lora_request=lora)[0]
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert chat.outputs[0].token_ids == reference_tokens(tiny_llama, adapters["a1"], chat.prompt_token_ids)
