@@ -70,12 +70,18 @@ def with_lora_settings(settings: Settings, *, lora_modules: tuple[str, ...], max
     return settings.model_copy(update=update)
 
 
-def check_adapters(settings: Settings, model: str, engine_kwargs: dict[str, Any]) -> None:
-    """Exit 1 with one line unless every served adapter loads on `model` (files, options, rank, shapes):
-    checked before any job exists, as the model and the engine knobs are (no engine is built)."""
+def check_adapters(settings: Settings, model: str, engine_kwargs: dict[str, Any],
+                   aliases: tuple[str, ...] = ()) -> None:
+    """Exit 1 with one line unless every served adapter loads on `model` (files, options, rank, shapes) and
+    is named apart from the model (`aliases`: its other names): checked before any job exists, as the model
+    and the engine knobs are (no engine is built)."""
     if not settings.lora_modules:
         return
     from batchinfer.cli.output import fail
+
+    clash = sorted(set(settings.lora_modules) & {model, *aliases})
+    if clash:
+        fail(f"--lora-modules: {clash[0]!r} is already the model's name; give the adapter another name")
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.lora.adapter import load_adapter
     from batchinfer.engine.resolved_model import resolve_model

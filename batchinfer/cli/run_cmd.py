@@ -83,9 +83,6 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
     settings = with_lora_settings(cli_settings(), lora_modules=lora_modules, max_loras=max_loras,
                                   max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
     model = model or settings.default_model
-    clash = sorted(set(settings.lora_modules) & {model, *served_model_name})
-    if clash:
-        fail(f"--lora-modules: {clash[0]!r} is already the model's name; give the adapter another name")
     overrides = {name: value for name, value in (
         ("device", device), ("dtype", dtype), ("max_model_len", max_model_len),
         ("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size),
@@ -93,7 +90,7 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
     if not as_json:
         click.echo(f"loading {model} ...", err=True)
     _check_engine(model, settings.engine_kwargs() | overrides)
-    check_adapters(settings, model, settings.engine_kwargs() | overrides)
+    check_adapters(settings, model, settings.engine_kwargs() | overrides, served_model_name)
     backend = LocalBackend(settings)
     try:
         batch = backend.submit(source, model=model, shard_size=shard_size, priority=priority,

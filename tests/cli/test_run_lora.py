@@ -104,3 +104,10 @@ def test_bad_lora_flags_fail_before_the_job(env: Path, tiny_llama: Path, adapter
     for flags, message in cases:
         result = CliRunner().invoke(main, ["run", str(env / "job.jsonl"), "-o", str(env / "o.jsonl"), *flags])
         assert message in result.output, (flags, result.output)
+
+
+def test_an_adapter_named_like_the_model_is_refused(env: Path, tiny_llama: Path, adapters) -> None:
+    (env / "job.jsonl").write_bytes(b'{"custom_id": "x", "body": {"prompt": "hi", "max_tokens": 1}}\n')
+    flags = ["--served-model-name", "tiny", "--lora-modules", f"tiny={adapters['a1']}"]
+    result = CliRunner().invoke(main, ["run", str(env / "job.jsonl"), "-o", str(env / "o.jsonl"), *flags])
+    assert result.exit_code == 1 and "'tiny' is already the model's name" in result.output
