@@ -7,8 +7,8 @@ runs on at most all threads but one, so a thread stays free for the others. Work
 ("" or None: one tenant, or the operator) is not held back. Pure Python: the engine and the API import it.
 
 The threads are daemons (a pool never shut down does not hang the exit), and at exit the work running
-then is waited for and the queued work cancelled: an ingest is not cut mid-file, and xgrammar's C++
-threads are not torn down under a compilation (that aborts the process).
+then is waited for (up to `exit_wait_s`) and the queued work cancelled: an ingest is not cut mid-file,
+and xgrammar's C++ threads are not torn down under a compilation (that aborts the process).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ _Item = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 class FairPool:
     """`workers` daemon threads running submitted calls, owners taking turns (module docstring)."""
 
-    def __init__(self, workers: int, *, name: str) -> None:
+    def __init__(self, workers: int, *, name: str, exit_wait_s: float | None = None) -> None:
         self.workers = workers
+        self.exit_wait_s = exit_wait_s  # how long the exit waits for running work (None: until it ends)
         self.per_owner = max(1, workers - 1)  # threads one named owner may hold
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -110,4 +111,4 @@ class FairPool:
 def _finish_at_exit(pool_ref: weakref.ref[FairPool]) -> None:
     pool = pool_ref()
     if pool is not None:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=True, cancel_futures=True, timeout=pool.exit_wait_s)

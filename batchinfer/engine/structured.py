@@ -113,7 +113,8 @@ class GrammarBackend:
             maxsize=cache_bytes, getsizeof=lambda done: _grammar_bytes(done.result()))
         self._failed: LRUCache[str, str] = LRUCache(maxsize=FAILED_CACHE_BYTES,
                                                     getsizeof=lambda error: 200 + len(error))
-        self._pool = FairPool(compile_workers, name="batchinfer-grammar")  # owners take turns
+        # Owners take turns; at exit a compilation still running is waited for (budgeted in size, it ends).
+        self._pool = FairPool(compile_workers, name="batchinfer-grammar")
         self.bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
         if torch.device(device).type == "cuda":
             self.bitmask = self.bitmask.pin_memory()  # copied to the GPU every step, asynchronously

@@ -6,10 +6,14 @@ On the tiny tokenizer (vocab 512) a guided_choice of 2,000 50-letter strings tak
 
 from __future__ import annotations
 
+import os
 import random
 import string
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +80,28 @@ def test_compiled_grammars_are_kept_within_the_byte_budget(make_backend) -> None
     assert 0 < backend.cached_bytes <= budget
     assert backend.compile(_choices(600, 2)) is futures[2]  # the newest is kept ...
     assert backend.compile(_choices(600, 0)) is not futures[0]  # ... the oldest was let go
+
+
+EXIT_DURING_COMPILE = """
+import random, string
+from tests.fixtures.tiny_models import build_tokenizer
+from batchinfer.engine.sampling_params import StructuredOutputsParams
+from batchinfer.engine.structured import GrammarBackend
+tok = build_tokenizer()
+backend = GrammarBackend(tok, vocab_size=len(tok), eos_token_ids={tok.eos_token_id}, max_num_seqs=4,
+                         compile_timeout_s=0.05)
+rng = random.Random(0)
+choices = ["".join(rng.choices(string.ascii_letters, k=50)) for _ in range(3000)]
+future = backend.compile(StructuredOutputsParams(choice=choices), owner="a")
+print(type(future.exception(30)).__name__)  # the compilation goes on while the interpreter exits
+"""
+
+
+def test_a_process_exits_cleanly_while_a_dropped_compilation_still_runs(tmp_path: Path) -> None:
+    """xgrammar's threads torn down under a compilation abort the process ("terminate called ...")."""
+    script = tmp_path / "exit_during_compile.py"
+    script.write_text(EXIT_DURING_COMPILE)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert (done.returncode, done.stdout.strip()) == (0, "GrammarError"), done.stderr[-2000:]
