@@ -142,13 +142,15 @@ def workers_(include_dead: bool, as_json: bool) -> None:
     with backend.sessions() as session:
         infos = list_workers(session, include_dead=include_dead)
     for info in infos:
+        adapters = (info.info or {}).get("lora_adapters", [])  # served like models (store.workers)
         if as_json:
             click.echo(orjson.dumps({"id": info.worker_id, "model": info.model, "live": info.live,
                                      "last_heartbeat_at": info.last_heartbeat_at.isoformat(),
-                                     "shards": info.shard_ids}).decode())
+                                     "shards": info.shard_ids, "lora_adapters": adapters}).decode())
         else:
             state = "live" if info.live else "gone"
-            click.echo(f"{info.worker_id}  {info.model}  {state}  shards={info.shard_ids}")
+            served = f"  lora_adapters={','.join(adapters)}" if adapters else ""
+            click.echo(f"{info.worker_id}  {info.model}  {state}  shards={info.shard_ids}{served}")
     if not infos and not as_json:
         click.echo("no live workers")
 

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import orjson
 import pytest
+from click.testing import CliRunner
 
+from batchinfer.cli import main
 from batchinfer.config import Settings
 from batchinfer.store.db import session_factory, upgrade
 from batchinfer.store.export import export_results
@@ -29,7 +31,7 @@ def adapter(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_worker_serves_its_adapters_like_models(sqlite_url: str, tmp_path: Path, tiny_llama: Path,
-                                                adapter: Path) -> None:
+                                                adapter: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     upgrade(sqlite_url)
     settings = Settings(database_url=sqlite_url, data_dir=tmp_path, lora_modules={"sql": str(adapter)},
                         dtype="float32")
@@ -38,6 +40,10 @@ def test_worker_serves_its_adapters_like_models(sqlite_url: str, tmp_path: Path,
     sessions = session_factory(sqlite_url)
     with sessions() as session:
         assert served_models(session) == sorted([str(tiny_llama), "sql"])
+    monkeypatch.setenv("BATCHINFER_DATABASE_URL", sqlite_url)
+    monkeypatch.setenv("BATCHINFER_DATA_DIR", str(tmp_path))
+    listed = CliRunner().invoke(main, ["workers", "--json"], catch_exceptions=False)
+    assert orjson.loads(listed.output)["lora_adapters"] == ["sql"]  # `batchinfer workers` shows them
     prompts = ["the cat reads the prompt", "a worker counts many tokens", "our server sorts the results"]
     greedy = {"max_tokens": MAX_TOKENS, "temperature": 0}
     lines = [{"custom_id": f"sql-{i}", "body": {"prompt": p, **greedy, "model": "sql"}}
