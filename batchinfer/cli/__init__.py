@@ -33,6 +33,7 @@ _COMMANDS: list[tuple[str, str]] = [
     ("batchinfer.cli.jobs", "results"),
     ("batchinfer.cli.jobs", "cancel"),
     ("batchinfer.cli.run_cmd", "run"),
+    ("batchinfer.cli.estimate_cmd", "estimate"),
     ("batchinfer.cli.worker_cmd", "worker"),
     ("batchinfer.cli.worker_cmd", "workers_"),
     ("batchinfer.cli.worker_cmd", "beat"),

@@ -20,8 +20,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 # Commands that serve until stopped, need a model or compile: their --json output is tested where they are
 # (tests/cli/test_cli_habits.py: api, beat; tests/cli/test_run_vllm_habits.py: run;
-# tests/engine/test_native_build.py: build-kernels).
-LONG_RUNNING = {"api", "worker", "beat", "scheduler", "run", "build-kernels"}
+# tests/engine/test_native_build.py: build-kernels; tests/cli/test_estimate_cli.py: estimate).
+LONG_RUNNING = {"api", "worker", "beat", "scheduler", "run", "build-kernels", "estimate"}
 
 # One printing invocation of every other command, in an order that gives each one something to act on.
 SAMPLES: list[list[str]] = [
