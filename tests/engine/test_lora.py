@@ -186,3 +186,20 @@ def test_chat_takes_a_lora_request(make_llm, tiny_llama, adapters) -> None:
     plain = llm.generate([chat.prompt_token_ids], GREEDY, lora_request=lora)[0]
     assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
     assert chat.outputs[0].token_ids == reference_tokens(tiny_llama, adapters["a1"], chat.prompt_token_ids)
+
+
+def test_speculative_draft_model_with_adapters_stays_exact(make_llm, tiny_llama, adapters, tmp_path) -> None:
+    """The draft proposes from its own base (the target's adapters do not fit it); verification under the
+    adapter keeps greedy output equal to the merged model's."""
+    from batchinfer.engine.spec_decode.truncated_draft import write_truncated_draft
+
+    draft = write_truncated_draft(tiny_llama, tmp_path / "draft", num_layers=1) or tmp_path / "draft"
+    speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+                   "disable_by_batch_size": 1024}
+    llm = make_llm(tiny_llama, enable_lora=True, speculative_config=speculative)
+    requests = [None, LoRARequest("a1", 1, str(adapters["a1"])), LoRARequest("a2", 2, str(adapters["a2"]))]
+    loras = [requests[i % 3] for i in range(6)]
+    outputs = llm.generate(prompts(6), GREEDY, lora_request=loras)
+    for out, lora in zip(outputs, loras, strict=True):
+        adapter = None if lora is None else adapters[lora.lora_name]
+        assert out.outputs[0].token_ids == reference_tokens(tiny_llama, adapter, out.prompt_token_ids)

@@ -57,6 +57,7 @@ class DraftModelProposer:
         config = dataclasses.replace(
             target_config, model=spec.model, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
             tensor_parallel_size=1, speculative_config=None, quantization=quantization,
+            enable_lora=False,  # the target's adapters do not fit the draft: it proposes from its base
         )
         try:
             model = resolve_model(config, with_tokenizer=False)
