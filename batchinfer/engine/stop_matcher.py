@@ -16,15 +16,28 @@ Invariants on the fields (state 0 is the root, the empty string):
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import deque
 from collections.abc import Sequence
-from functools import lru_cache
+
+from cachetools import LRUCache
+
+# Automata kept for reuse, in bytes (STATE_BYTES a state, an estimate: its dict and list slots); a stop
+# list is request data, and a long one makes a large automaton.
+MATCHERS_CACHE_BYTES = 128 << 20
+STATE_BYTES = 256
 
 
 class StopMatcher:
     """The automaton of one stop list; `scan` advances a caller-held state over new text."""
 
     __slots__ = ("_children", "_fail", "_match_len", "_match_stop", "longest")
+
+    @property
+    def nbytes(self) -> int:
+        """An estimate of the automaton's memory (what the cache counts)."""
+        return STATE_BYTES * len(self._children)
 
     def __init__(self, stops: Sequence[str]) -> None:
         children: list[dict[str, int]] = [{}]
@@ -73,7 +86,18 @@ class StopMatcher:
         return state, best
 
 
-@lru_cache(maxsize=256)
+_MATCHERS: LRUCache[tuple[str, ...], StopMatcher] = LRUCache(maxsize=MATCHERS_CACHE_BYTES,
+                                                             getsizeof=lambda matcher: matcher.nbytes)
+_MATCHERS_LOCK = threading.Lock()
+
+
 def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
-    """The (shared) automaton of a stop list: n sibling sequences and repeated lists build it once."""
-    return StopMatcher(stops)
+    """The (shared) automaton of a stop list: n sibling sequences and repeated lists build it once (kept
+    within MATCHERS_CACHE_BYTES, least recently used let go)."""
+    with _MATCHERS_LOCK:
+        matcher = _MATCHERS.get(stops)
+    if matcher is None:
+        matcher = StopMatcher(stops)
+        with _MATCHERS_LOCK, contextlib.suppress(ValueError):  # ValueError: larger than the whole cache
+            _MATCHERS[stops] = matcher
+    return matcher
