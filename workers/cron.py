@@ -144,7 +144,8 @@ def start_run(*, run: ScheduleRun, schedule: Schedule, settings: Settings, app: 
                     session=session, settings=settings, app=app, path=path, model=schedule.model,
                     owner=schedule.owner or LOCAL_OWNER,  # schedules made before owners were set
                     idempotency_key=f"schedule-{schedule.id}-{run.slot_at.isoformat()}",
-                    metadata={"schedule": schedule.name, "slot": run.slot_at.isoformat()})
+                    metadata={"schedule": schedule.name, "slot": run.slot_at.isoformat()},
+                    result_cache=schedule.result_cache)  # None: the setting's default
                 job_id = job.id
         finally:
             if temporary:

@@ -54,15 +54,26 @@ def build_engine(model: str, settings: Settings, **overrides: Any) -> Engine:
 
 
 def make_runner(*, model: str, settings: Settings | None = None, engine: Engine | None = None,
-                metrics_port: int | None = None, **engine_overrides: Any) -> ShardRunner:
+                metrics_port: int | None = None, lazy: bool = False, **engine_overrides: Any) -> ShardRunner:
     """A ShardRunner over a new (or the given) engine, registered in the worker table.
+
+    `lazy`: the engine is built on the first request the result cache cannot serve (workers.lazy_engine;
+    `batchinfer run`), so a job served wholly from the cache loads no model.
 
     With `metrics_port` the process serves its Prometheus metrics there (workers.metrics), started after
     the engine is built so tensor-parallel rank processes never hold the port.
     """
     settings = settings or get_settings()
-    engine = engine if engine is not None else build_engine(model, settings, **engine_overrides)
-    metrics = WorkerMetrics.for_engine(engine)
+    if engine is None and lazy:
+        from batchinfer.engine.config import EngineConfig
+        from workers.lazy_engine import LazyEngine
+
+        config = EngineConfig(model=model, **{**settings.engine_kwargs(), **engine_overrides})
+        engine = LazyEngine(lambda: build_engine(model, settings, **engine_overrides), config)  # type: ignore
+        metrics = engine.worker_metrics()  # type: ignore[union-attr]
+    else:
+        engine = engine if engine is not None else build_engine(model, settings, **engine_overrides)
+        metrics = WorkerMetrics.for_engine(engine)
     metrics.lora_adapters = sorted(settings.lora_modules)  # advertised like models (store.workers)
     metrics.serve(port=metrics_port, host=settings.worker_metrics_host)
     sessions = session_factory(settings.effective_database_url)

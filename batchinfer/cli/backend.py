@@ -25,7 +25,8 @@ class Backend(Protocol):
 
     def submit(self, path: Path, *, model: str, shard_size: int | None, priority: int,
                metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
-               completion_window: str | None, max_total_tokens: int | None = None) -> dict[str, Any]: ...
+               completion_window: str | None, max_total_tokens: int | None = None,
+               result_cache: str | None = None) -> dict[str, Any]: ...
 
     def get(self, batch_id: str, *, patient: bool = False,
             within_s: float | None = None) -> dict[str, Any]: ...
@@ -76,7 +77,7 @@ class LocalBackend:
     def submit(self, path: Path, *, model: str, shard_size: int | None, priority: int,
                metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
                completion_window: str | None, max_total_tokens: int | None = None,
-               served_names: frozenset[str] | None = None,
+               result_cache: str | None = None, served_names: frozenset[str] | None = None,
                adapter_names: frozenset[str] = frozenset()) -> dict[str, Any]:
         """Ingest `path` as a job and announce its shards when a broker is configured (`served_names`,
         `adapter_names`: the job runs in this process, see store.line_models)."""
@@ -92,7 +93,7 @@ class LocalBackend:
                                           owner=LOCAL_OWNER, shard_size=shard_size, priority=priority,
                                           metadata=metadata, idempotency_key=idempotency_key,
                                           on_invalid=on_invalid, completion_window=completion_window,
-                                          max_total_tokens=max_total_tokens,
+                                          max_total_tokens=max_total_tokens, result_cache=result_cache,
                                           served_names=served_names, adapter_names=adapter_names)
             except JobError as exc:
                 raise BackendError(str(exc)) from None
@@ -169,12 +170,13 @@ class RemoteBackend:
 
     def submit(self, path: Path, *, model: str, shard_size: int | None, priority: int,
                metadata: dict[str, str] | None, idempotency_key: str | None, on_invalid: str,
-               completion_window: str | None, max_total_tokens: int | None = None) -> dict[str, Any]:
+               completion_window: str | None, max_total_tokens: int | None = None,
+               result_cache: str | None = None) -> dict[str, Any]:
         """Upload the file and create a batch with the same options a local submit takes."""
         return self._call(self.client.submit, path, model=model, metadata=metadata,
                           completion_window=completion_window or "24h", idempotency_key=idempotency_key,
                           on_invalid=on_invalid, priority=priority, shard_size=shard_size,
-                          max_total_tokens=max_total_tokens)
+                          max_total_tokens=max_total_tokens, result_cache=result_cache)
 
     def get(self, batch_id: str, *, patient: bool = False, within_s: float | None = None) -> dict[str, Any]:
         """The batch object from the server; `patient` (a --wait poll) outlasts a server restart, retrying

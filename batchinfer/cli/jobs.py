@@ -82,6 +82,9 @@ def _print_batch(batch: dict[str, Any], as_json: bool, *, show_owner: bool = Fal
         line += f", {progress['tokens_per_second']:.1f} tok/s"
     if progress.get("eta_seconds"):
         line += f", ETA {progress['eta_seconds']:.0f}s"
+    cache = batch.get("result_cache") or {}  # store/result_cache.py: lines not computed for this job
+    if cache.get("hits") or cache.get("dedups"):
+        line += f", {cache['hits']} from the result cache, {cache['dedups']} copied from identical lines"
     click.echo(line)
     if progress.get("note"):
         click.echo(f"  note: {progress['note']}")
@@ -132,6 +135,10 @@ submit_options = [
     click.option("--max-total-tokens", type=click.IntRange(min=1), default=None,
                  help="The job's token budget (prompt + completion, all lines): lines past it end with a "
                  "budget_exceeded error, finished lines are kept (default: none)."),
+    click.option("--result-cache", type=click.Choice(["use", "refresh", "off"]), default=None,
+                 help="use: deterministic lines (temperature 0 or a seed) computed before are served from "
+                 "the result cache; refresh: computed again, replacing; off: neither (default: "
+                 "settings.result_cache, use)."),
 ]
 
 
@@ -160,7 +167,7 @@ def _with_submit_options(func: Any) -> Any:
 @json_option("Print the batch object as JSON (with --wait: the submitted one, then the final one).")
 def submit(file: Path, model: str | None, shard_size: int | None, priority: int, metadata: tuple[str, ...],
            idempotency_key: str | None, on_invalid: str, completion_window: str | None,
-           max_total_tokens: int | None, wait: bool,
+           max_total_tokens: int | None, result_cache: str | None, wait: bool,
            timeout: float | None, update_interval: float, output: Path | None, errors: Path | None,
            quiet: bool, as_json: bool) -> None:
     """Submit a JSONL file of requests as a batch job; prints its batch id (with --wait, first)."""
@@ -173,7 +180,8 @@ def submit(file: Path, model: str | None, shard_size: int | None, priority: int,
         batch = backend.submit(file, model=model or settings.default_model, shard_size=shard_size,
                                priority=priority, metadata=_metadata(metadata),
                                idempotency_key=idempotency_key, on_invalid=on_invalid,
-                               completion_window=completion_window, max_total_tokens=max_total_tokens)
+                               completion_window=completion_window, max_total_tokens=max_total_tokens,
+                               result_cache=result_cache)
         if quiet and not as_json:
             click.echo(batch["id"])  # the bare id, first, whatever follows
         if wait:

@@ -110,7 +110,7 @@ class RemoteClient:
                      metadata: dict[str, str] | None = None, model: str | None = None,
                      idempotency_key: str | None = None, on_invalid: str | None = None,
                      priority: int | None = None, shard_size: int | None = None,
-                     max_total_tokens: int | None = None) -> dict[str, Any]:
+                     max_total_tokens: int | None = None, result_cache: str | None = None) -> dict[str, Any]:
         """Create a batch from an uploaded file; returns the Batch object.
 
         With `idempotency_key` the server returns the batch it first created under that key (a retried
@@ -118,7 +118,8 @@ class RemoteClient:
         body: dict[str, Any] = {"input_file_id": input_file_id, "endpoint": endpoint,
                                 "completion_window": completion_window}  # endpoint None: lines may mix both
         extensions = {"metadata": metadata or None, "model": model or None, "on_invalid": on_invalid,
-                      "priority": priority, "shard_size": shard_size, "max_total_tokens": max_total_tokens}
+                      "priority": priority, "shard_size": shard_size, "max_total_tokens": max_total_tokens,
+                      "result_cache": result_cache}
         body.update({key: value for key, value in extensions.items() if value is not None})
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return self._request("POST", "/batches", json=body, headers=headers,
@@ -128,7 +129,7 @@ class RemoteClient:
                completion_window: str = "24h", endpoint: str | None = None,
                idempotency_key: str | None = None, on_invalid: str | None = None,
                priority: int | None = None, shard_size: int | None = None,
-               max_total_tokens: int | None = None) -> dict[str, Any]:
+               max_total_tokens: int | None = None, result_cache: str | None = None) -> dict[str, Any]:
         """Upload `path` and create a batch from it; returns the Batch object.
 
         Without `endpoint` each line may use either endpoint (as `batchinfer submit` does locally)."""
@@ -136,7 +137,8 @@ class RemoteClient:
         return self.create_batch(uploaded["id"], endpoint=endpoint,
                                  completion_window=completion_window, metadata=metadata, model=model,
                                  idempotency_key=idempotency_key, on_invalid=on_invalid, priority=priority,
-                                 shard_size=shard_size, max_total_tokens=max_total_tokens)
+                                 shard_size=shard_size, max_total_tokens=max_total_tokens,
+                                 result_cache=result_cache)
 
     def get(self, batch_id: str, *, retry_seconds: float | None = None) -> dict[str, Any]:
         """The Batch object of `batch_id` (retried for `retry_seconds`, default the client's)."""

@@ -61,7 +61,7 @@ logger = logging.getLogger("batchinfer.cli")
 def run(file: Path | None, input_path: Path | None, output: Path, errors: Path | None, errors_in_output: bool,
         model: str | None, shard_size: int | None, priority: int, metadata: tuple[str, ...],
         idempotency_key: str | None, on_invalid: str, completion_window: str | None,
-        max_total_tokens: int | None, device: str | None,
+        max_total_tokens: int | None, result_cache: str | None, device: str | None,
         dtype: str | None, max_model_len: int | None, tensor_parallel_size: int | None,
         pipeline_parallel_size: int | None, quantization: str | None, served_model_name: tuple[str, ...],
         lora_modules: tuple[str, ...], max_loras: int | None, max_lora_rank: int | None,
@@ -70,6 +70,7 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
     """Run a JSONL file end to end in this process: submit, infer, export (no broker needed)."""
     from batchinfer.cli.backend import BackendError, LocalBackend
     from batchinfer.cli.context import cli_settings
+    from workers.lazy_engine import EngineStartError
     from workers.process import make_runner, retire_runner, run_job
 
     if file is not None and input_path is not None and file != input_path:
@@ -96,7 +97,7 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
         batch = backend.submit(source, model=model, shard_size=shard_size, priority=priority,
                                metadata=_metadata(metadata), idempotency_key=idempotency_key,
                                on_invalid=on_invalid, completion_window=completion_window,
-                               max_total_tokens=max_total_tokens,
+                               max_total_tokens=max_total_tokens, result_cache=result_cache,
                                served_names=frozenset(served_model_name),
                                adapter_names=frozenset(settings.lora_modules))
     except BackendError as exc:
@@ -105,7 +106,8 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
         if not as_json:
             click.echo(f"{batch['id']}: {batch['request_counts']['total']} requests", err=True)
         try:
-            runner = make_runner(model=model, settings=settings, **overrides)
+            # The engine loads on the first line the result cache cannot serve: none, no model loaded.
+            runner = make_runner(model=model, settings=settings, lazy=True, **overrides)
         except Exception as exc:  # e.g. unreadable weights: the job fails, with the reason, not in_progress
             logger.debug("the engine could not start", exc_info=True)
             message = _startup_failure(exc)
@@ -119,6 +121,12 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
             try:
                 run_job(job_id=int(batch["id"].removeprefix("batch_")), runner=runner,
                         on_progress=bar.advance)
+            except EngineStartError as exc:  # built at its first miss, and it could not start
+                logger.debug("the engine could not start", exc_info=True)
+                runner.hand_back()
+                message = _startup_failure(exc.__cause__ or exc)
+                backend.fail_unstarted(batch["id"], message)
+                fail(f"{batch['id']} failed: {message}", code=EXIT_FAILED)
             finally:  # no longer a live worker once its job is done (`workers`, the dashboard)
                 retire_runner(runner)
         batch = backend.get(batch["id"])

@@ -48,6 +48,7 @@ def _describe(schedule: Any) -> dict[str, Any]:
         "enabled": schedule.enabled, "model": schedule.model, "input": schedule.input_template,
         "output": schedule.output_template, "errors": schedule.errors_template, "params": schedule.params,
         "webhook_url": schedule.webhook_url, "catchup": schedule.catchup,
+        "result_cache": schedule.result_cache,
         "next_run": _next_run(schedule),
     }
 
@@ -97,10 +98,13 @@ def schedule() -> None:
               help="HMAC-SHA256 secret for the X-Batchinfer-Signature header.")
 @click.option("--catchup", type=click.Choice(["latest", "all", "none"]), default="latest", show_default=True,
               help="After downtime: run the newest missed slot, every missed slot, or none.")
+@click.option("--result-cache", type=click.Choice(["use", "refresh", "off"]), default=None,
+              help="Its jobs' result cache: use (serve deterministic lines computed by earlier runs), "
+              "refresh, off (default: settings.result_cache).")
 @json_option("Print the schedule as one JSON object.")
 def add(name: str, cron: str, timezone: str, input_template: str, output_template: str | None,
         errors_template: str | None, model: str | None, param: tuple[str, ...], webhook_url: str | None,
-        webhook_secret: str | None, catchup: str, as_json: bool) -> None:
+        webhook_secret: str | None, catchup: str, result_cache: str | None, as_json: bool) -> None:
     """Create a schedule."""
     from batchinfer.store.schedules import ScheduleError, add_schedule
 
@@ -110,7 +114,8 @@ def add(name: str, cron: str, timezone: str, input_template: str, output_templat
                                    input_template=input_template, output_template=output_template,
                                    errors_template=errors_template,
                                    model=model or get_settings().default_model, params=_params(param),
-                                   webhook_url=webhook_url, webhook_secret=webhook_secret, catchup=catchup)
+                                   webhook_url=webhook_url, webhook_secret=webhook_secret, catchup=catchup,
+                                   result_cache=result_cache)
         except ScheduleError as exc:
             _fail(str(exc))
         info = _describe(created)

@@ -368,6 +368,7 @@ class Schedule(Base):
     webhook_url: Mapped[str | None] = mapped_column(Text)
     webhook_secret: Mapped[str | None] = mapped_column(String(256))
     catchup: Mapped[str] = mapped_column(String(8), default="latest")  # latest | all | none
+    result_cache: Mapped[str | None] = mapped_column(String(8))  # its jobs' mode; None: the setting's
     enabled: Mapped[bool] = mapped_column(default=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_slot_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # slots up to here are handled

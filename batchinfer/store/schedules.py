@@ -71,7 +71,7 @@ def add_schedule(session: Session, *, name: str, cron: str, input_template: str,
                  errors_template: str | None = None, params: dict[str, Any] | None = None,
                  webhook_url: str | None = None, webhook_secret: str | None = None, catchup: str = "latest",
                  owner: str = LOCAL_OWNER, settings: Settings | None = None,
-                 now: datetime | None = None) -> Schedule:
+                 result_cache: str | None = None, now: datetime | None = None) -> Schedule:
     """Create an enabled schedule; its first slot is the first cron time after `now`.
 
     Its jobs belong to `owner`: LOCAL_OWNER (the default) makes them the local CLI's own, so `status`,
@@ -95,7 +95,8 @@ def add_schedule(session: Session, *, name: str, cron: str, input_template: str,
     schedule = Schedule(name=name, owner=owner, cron=cron, timezone=timezone, input_template=input_template,
                         model=model, output_template=output_template, errors_template=errors_template,
                         params=params or None, webhook_url=webhook_url, webhook_secret=webhook_secret,
-                        catchup=catchup, enabled=True, created_at=now, last_slot_at=now)
+                        catchup=catchup, enabled=True, created_at=now, last_slot_at=now,
+                        result_cache=result_cache)
     try:
         with write_transaction(session):
             session.add(schedule)

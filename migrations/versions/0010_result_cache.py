@@ -38,9 +38,13 @@ def upgrade() -> None:
     with op.batch_alter_table("requests") as batch:
         batch.add_column(sa.Column("provenance", sa.Text(), nullable=True))
         batch.add_column(sa.Column("result_key", sa.String(64), nullable=True))
+    with op.batch_alter_table("schedules") as batch:
+        batch.add_column(sa.Column("result_cache", sa.String(8), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("schedules") as batch:
+        batch.drop_column("result_cache")
     with op.batch_alter_table("requests") as batch:
         batch.drop_column("result_key")
         batch.drop_column("provenance")

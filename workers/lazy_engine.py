@@ -1,0 +1,73 @@
+"""LazyEngine: an Engine built on the first request that needs it, so a job served wholly from the result
+cache completes without loading a model (`batchinfer run`, issue 31).
+
+Until then it answers what a ShardRunner asks of an idle engine (nothing unfinished, no progress, aborts
+are no-ops) and its `config`; anything else builds the engine, once. A build that fails raises
+EngineStartError (the cause chained), which `batchinfer run` turns into its job's failure.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from workers.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.llm_engine import Engine
+
+
+class EngineStartError(RuntimeError):
+    """The engine could not be built when the first request needed it (the cause is chained)."""
+
+
+class LazyEngine:
+    """Stands in for an Engine until one is needed; see the module docstring."""
+
+    def __init__(self, build: Callable[[], Engine], config: EngineConfig) -> None:
+        self.config = config  # what the runner and the result cache read before any request runs
+        self._build = build
+        self._engine: Engine | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        """True once the engine was built."""
+        return self._engine is not None
+
+    def get(self) -> Engine:
+        """The engine, built now if it was not yet."""
+        with self._lock:
+            if self._engine is None:
+                try:
+                    self._engine = self._build()
+                except Exception as exc:
+                    raise EngineStartError(str(exc) or type(exc).__name__) from exc
+                self.config = self._engine.config
+            return self._engine
+
+    def has_unfinished(self) -> bool:
+        return self._engine is not None and self._engine.has_unfinished()
+
+    def get_num_unfinished(self) -> int:
+        return 0 if self._engine is None else self._engine.get_num_unfinished()
+
+    def request_progress(self, request_id: str) -> Any:
+        return None if self._engine is None else self._engine.request_progress(request_id)
+
+    def abort(self, request_id: str) -> Any:
+        return None if self._engine is None else self._engine.abort(request_id)
+
+    def worker_metrics(self) -> WorkerMetrics:
+        """Worker metrics labelled like the engine will be (model label, first engine of the process)."""
+        from batchinfer.engine.metrics import model_label
+
+        return WorkerMetrics(
+            model_name=model_label(self.config.model), engine="0",
+            generated_tokens=lambda: 0 if self._engine is None else self._engine.recorder.generation_tokens,
+            steps=lambda: 0 if self._engine is None else self._engine.recorder.num_steps)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.get(), name)
