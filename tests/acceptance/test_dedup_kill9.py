@@ -1,0 +1,50 @@
+"""Dedup within a job under kill -9 (issue 31): a duplicate-heavy job on two polling `batchinfer worker`s,
+one killed mid-job; the other finishes it, every custom_id exactly once, identical lines equal."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.acceptance.topology import Topology, custom_ids
+
+pytestmark = pytest.mark.acceptance
+
+
+def test_kill_9_mid_fan_out_keeps_every_custom_id_exactly_once(tiny_llama: Path, tmp_path: Path) -> None:
+    topology = Topology(tmp_path, database_url=f"sqlite:///{tmp_path / 'batchinfer.db'}", model=tiny_llama)
+    try:
+        topology.start_api()
+        workers = topology.workers_exactly(2)
+        path = tmp_path / "dups.jsonl"
+        ids = [f"dup-{i:03d}" for i in range(64)]
+        with path.open("wb") as out:  # 8 distinct greedy prompts x 8 custom_ids, twins in every shard
+            for i, custom_id in enumerate(ids):
+                body = {"messages": [{"role": "user", "content": f"the cat reads the prompt number {i % 8}"}],
+                        "max_tokens": 96, "ignore_eos": True, "temperature": 0}
+                out.write(orjson.dumps({"custom_id": custom_id, "method": "POST",
+                                        "url": "/v1/chat/completions", "body": body}) + b"\n")
+        batch_id = topology.cli_json("submit", str(path))[0]["id"]
+        victim = topology.holder_of_a_shard(workers)
+        topology.kill(victim)
+        killed_at = time.monotonic()
+
+        batch = topology.wait_status(batch_id, {"completed", "failed"}, timeout=90)
+        assert batch["status"] == "completed", topology.logs()
+        assert time.monotonic() - killed_at < 90
+        output, errors = topology.results(batch_id)
+        assert sorted(custom_ids(output)) == ids and errors == []  # every custom_id exactly once
+        sources = Counter(line["provenance"]["result_cache"] for line in output)
+        assert sources["dedup"] > 0 and sources["miss"] + sources["dedup"] == 64
+        by_prompt: dict[int, set[bytes]] = {}
+        for line in output:
+            prompt = int(line["custom_id"].split("-")[1]) % 8
+            by_prompt.setdefault(prompt, set()).add(orjson.dumps(line["response"]["body"]["choices"]))
+        assert all(len(bodies) == 1 for bodies in by_prompt.values())  # twins equal, whoever computed them
+    finally:
+        topology.stop()
+        topology.rest.close()
