@@ -203,6 +203,12 @@ class ModelRunner:
         # used: everything on the device now (weights, CUDA context, other processes); peak - current: the
         # activations of the profiling step, which every later step may need again.
         budget = total * config.gpu_memory_utilization - (total - free) - (peak - current)
+        if config.enable_lora:  # room for the adapters kept loaded (they come after this profile)
+            from batchinfer.engine.lora.adapter import max_adapter_bytes
+
+            budget -= config.max_cpu_loras * max_adapter_bytes(
+                self.hf_config, max_lora_rank=config.max_lora_rank, itemsize=self.dtype.itemsize,
+                tp_size=config.tensor_parallel_size)
         num_blocks = int(budget) // self.block_bytes
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     num_blocks * self.block_bytes / 2**30)

@@ -125,3 +125,15 @@ def test_adapter_fingerprint_follows_the_files(copy_adapter, good_adapter) -> No
     assert adapter_fingerprint(adapter) == adapter_fingerprint(good_adapter)  # same files, another place
     _edit_config(adapter, lora_alpha=32)
     assert adapter_fingerprint(adapter) != adapter_fingerprint(good_adapter)
+
+
+def test_max_adapter_bytes_bounds_a_full_adapter(tiny_llama, good_adapter) -> None:
+    """The room a CUDA engine sets aside per adapter fits an adapter of max_lora_rank on every projection."""
+    from transformers import AutoConfig
+
+    from batchinfer.engine.lora.adapter import load_adapter, max_adapter_bytes
+
+    hf_config = AutoConfig.from_pretrained(tiny_llama)
+    adapter = load_adapter("x", good_adapter, hf_config=hf_config, max_lora_rank=8, dtype=torch.float32)
+    assert max_adapter_bytes(hf_config, max_lora_rank=8, itemsize=4) == adapter.num_bytes  # rank 8, all 7
+    assert max_adapter_bytes(hf_config, max_lora_rank=8, itemsize=4, tp_size=2) < adapter.num_bytes

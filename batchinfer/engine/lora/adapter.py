@@ -158,6 +158,15 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     return config
 
 
+def max_adapter_bytes(hf_config: Any, *, max_lora_rank: int, itemsize: int, tp_size: int = 1) -> int:
+    """The most one loaded adapter can take on a rank: rank max_lora_rank on all seven projections."""
+    total = 0
+    for layout in module_layouts(hf_config, tp_size).values():
+        rank = max_lora_rank * len(layout.output_sizes)  # fused slices stack their ranks
+        total += rank * (layout.input_size + sum(layout.output_sizes))
+    return total * hf_config.num_hidden_layers * itemsize
+
+
 def adapter_fingerprint(path: str | Path) -> str:
     """sha256 of an adapter's config and weights files: what a result cache or provenance record should key
     an adapter's outputs on (its served name may point at other weights tomorrow)."""
