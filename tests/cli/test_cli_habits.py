@@ -92,12 +92,13 @@ def test_fresh_data_dir_is_created_and_migrated_by_apikey_and_api(env: Path, mon
 
     monkeypatch.setenv("BATCHINFER_DATA_DIR", str(env / "another" / "fresh"))
     get_settings.cache_clear()
-    started: list[dict] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.append(kw))
+    started: list[uvicorn.Config] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, **kw: started.append(server.config))
     served = _cli("api", "--port", "8123", "--json")
     assert served.exit_code == 0, served.output
     line = orjson.loads(served.stdout)
-    assert line["event"] == "api_started" and line["url"] == "http://127.0.0.1:8123" and started
+    assert line["event"] == "api_started" and line["url"] == "http://127.0.0.1:8123"
+    assert [config.port for config in started] == [8123]
     assert (env / "another" / "fresh" / "batchinfer.db").is_file()
 
 
