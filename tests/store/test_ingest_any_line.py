@@ -181,5 +181,5 @@ def test_a_constraint_converting_past_the_time_budget_is_its_lines_error(sqlite_
     with session_factory(sqlite_db)() as session:
         job = submit_job(session, model="m", stream=io.BytesIO(b"\n".join(lines) + b"\n"), limits=limits)
     assert [e["line"] for e in job.errors] == [1]
-    assert job.errors[0]["message"] == ("line 1: body.guided_json: converting the json constraint took longer "
-                                        "than 0.001 s (grammar_compile_timeout_seconds); simplify it")
+    assert job.errors[0]["message"] == ("line 1: body.guided_json: converting the json constraint took "
+                                        "longer than 0.001 s (grammar_compile_timeout_seconds); simplify it")
