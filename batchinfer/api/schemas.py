@@ -96,6 +96,8 @@ class BatchProgress(BaseModel):
                                                                     "first claim (an embeddings batch's "
                                                                     "throughput).")
     started_at: int | None = Field(None, description="When a worker first claimed one of its shards.")
+    at_risk: bool = Field(False, description="The batch runs and its predicted finish (now + eta_seconds) "
+                                             "falls after its deadline, expires_at.")
     note: str | None = Field(None, description="Why the batch does not move, e.g. no live worker serves "
                                                "its model.")
 

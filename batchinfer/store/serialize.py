@@ -116,9 +116,21 @@ def _progress(job: Job, now: datetime, note: str | None, started_at: datetime | 
         "requests_per_second": requests_per_second, "eta_seconds": measured.eta_seconds,
         "started_at": epoch(started_at), "generated_tokens": measured.generated_tokens,
         "remaining_tokens": measured.remaining_tokens, "input_tokens_per_second": input_tokens_per_second}
+    progress["at_risk"] = at_risk(job, now, measured.eta_seconds)
+    if note is None and progress["at_risk"]:
+        note = (f"at risk: expected to finish in {measured.eta_seconds:.0f} s, after its deadline "
+                f"{job.expires_at:%Y-%m-%d %H:%M:%S} UTC (created_at + completion_window "
+                f"{job.completion_window})")
     if note is not None:
         progress["note"] = note
     return progress
+
+
+def at_risk(job: Job, now: datetime, eta_seconds: float | None) -> bool:
+    """A running job whose predicted finish (now + its ETA) falls after its deadline (expires_at)."""
+    if job.status != JobStatus.IN_PROGRESS or eta_seconds is None or job.expires_at is None:
+        return False
+    return now + timedelta(seconds=eta_seconds) > job.expires_at
 
 
 def batch_object(job: Job, *, now: datetime | None = None, served_models: Collection[str] | None = None,
