@@ -53,6 +53,11 @@ class _Families:
         self.released = counter("shards_released", "Shards handed back (shutdown, job cancelled or expired).")
         self.lease_losses = counter("lease_losses", "Writes refused because the shard's lease was lost.")
         self.results_written = counter("results_written", "Finished requests written to the database.")
+        # Result cache (workers/result_cache.py): lines served without the engine, by where from.
+        self.cache_hits = Counter(f"{PREFIX}result_cache_hits", "Lines served from an earlier job's result.",
+                                  LABELS, registry=registry)
+        self.cache_dedups = Counter(f"{PREFIX}result_cache_dedup", "Lines copied from an identical line "
+                                    "of their own job.", LABELS, registry=registry)
         self.write_seconds = Histogram(f"{WORKER_PREFIX}result_write_seconds",
                                        "Time to write one batch of results (one transaction).", LABELS,
                                        buckets=WRITE_BUCKETS, registry=registry)
@@ -83,6 +88,8 @@ class WorkerMetrics:
         self._released = fam.released.labels(*values)
         self._lease_losses = fam.lease_losses.labels(*values)
         self._results_written = fam.results_written.labels(*values)
+        self._cache_served = {"hit": fam.cache_hits.labels(*values),
+                              "dedup": fam.cache_dedups.labels(*values)}
         self._write_seconds = fam.write_seconds.labels(*values)
         self._generated_tokens = generated_tokens or (lambda: 0)  # () -> tokens generated so far
         # (monotonic time, tokens so far), taken at claims, writes and heartbeats: the last RATE_WINDOW_S.
@@ -113,6 +120,12 @@ class WorkerMetrics:
     def shard_released(self) -> None:
         """Count a shard handed back unfinished."""
         self._released.inc()
+
+    def result_cache_served(self, source: str) -> None:
+        """Count a line served without the engine: source "hit" (an earlier job's) or "dedup" (a twin's)."""
+        counter = self._cache_served.get(source)
+        if counter is not None:
+            counter.inc()
 
     def lease_lost(self) -> None:
         """Count a write or completion refused because another worker (or the rescuer) took the lease."""

@@ -175,8 +175,9 @@ class ResultCache:
     """One runner's result cache: plans claimed shards, annotates rows, fans them out, stores bodies."""
 
     def __init__(self, *, sessions: sessionmaker[Session], settings: Settings,
-                 identity_of: Any) -> None:
+                 identity_of: Any, on_served: Any = None) -> None:
         self.sessions = sessions
+        self._on_served = on_served or (lambda source: None)  # WorkerMetrics.result_cache_served
         self.settings = settings
         self._identity_of = identity_of  # lease.model -> ModelIdentity (computed once per served name)
         self._identities: dict[str, ModelIdentity] = {}
@@ -318,6 +319,7 @@ class ResultCache:
             self.hits += 1
         elif source == "dedup":
             self.dedups += 1
+        self._on_served(source)
         return {**body_of(body), "request_id": request.request_id, "result_key": key,
                 "provenance": identity.provenance(seed=request.params.seed, source=source,
                                                   computed_in=computed_in)}

@@ -107,7 +107,8 @@ class ShardRunner:
         self._flights: dict[int, _Flight] = {}
         self._submitted: dict[str, _Submitted] = {}
         self._embeddings = EmbeddingQueue(engine, model)  # run between steps, within a step's budget
-        self._cache = ResultCache(sessions=sessions, settings=settings, identity_of=self._identity_of)
+        self._cache = ResultCache(sessions=sessions, settings=settings, identity_of=self._identity_of,
+                                  on_served=self.metrics.result_cache_served)
         self._last_flush = time.monotonic()
         self._next_claim_at = 0.0
         self._last_worker_beat = time.monotonic()

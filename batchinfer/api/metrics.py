@@ -33,6 +33,7 @@ from batchinfer.api.known_models import known_models, model_label
 from batchinfer.config import Settings
 from batchinfer.engine.metrics import PREFIX
 from batchinfer.store.models import JobStatus, ShardStatus
+from batchinfer.store.result_cache import cache_size
 from batchinfer.store.stats import job_totals_by_status, open_shards_by_model
 
 API_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -78,7 +79,13 @@ class JobsCollector(Collector):
                                   labels=["model"])
         running = GaugeMetricFamily(f"{PREFIX}shards_running", "Shards leased by a worker, by model.",
                                     labels=["model"])
+        cache_bytes = GaugeMetricFamily(f"{PREFIX}result_cache_bytes",
+                                        "Bytes of result bodies the result cache holds (at most "
+                                        "result_cache_max_bytes).")
+        cache_bodies = GaugeMetricFamily(f"{PREFIX}result_cache_bodies",
+                                         "Result bodies the result cache holds.")
         with self.session_factory() as session:
+            bodies, size = cache_size(session)
             by_status = job_totals_by_status(session)
             shards = open_shards_by_model(session)
             known = known_models(session, self.settings) if self.per_model else frozenset()
@@ -101,7 +108,9 @@ class JobsCollector(Collector):
             by_label[key] = by_label.get(key, 0) + count
         for (available, label), count in by_label.items():
             (queue if available else running).add_metric([label], count)
-        yield from (jobs, requests, queue, running)
+        cache_bytes.add_metric([], size)
+        cache_bodies.add_metric([], bodies)
+        yield from (jobs, requests, queue, running, cache_bytes, cache_bodies)
 
 
 def jobs_registry(session_factory: sessionmaker[Session], settings: Settings) -> CollectorRegistry:

@@ -9,8 +9,10 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from batchinfer.api.app import create_app
 from batchinfer.store.db import upgrade
@@ -63,6 +65,10 @@ def test_owners_do_not_share_cached_results(live, tmp_path: Path) -> None:
     assert first["result_cache"] == {"mode": "use", "hits": 0, "dedups": 0}
     assert {line["provenance"]["result_cache"] for line in first_lines} == {"miss"}
 
+    gauges = {sample.name: sample.value  # the cache's size, from the database at scrape time
+              for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)
+              for sample in family.samples}
+    assert gauges["batchinfer:result_cache_bodies"] == 5 and gauges["batchinfer:result_cache_bytes"] > 0
     again, again_lines = _run(base, alice, path)
     assert again["result_cache"]["hits"] == 5
     assert [line["response"]["body"]["choices"] for line in again_lines] == [

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from prometheus_client import REGISTRY
 
 from batchinfer.config import Settings
 from batchinfer.store import result_cache as cache_store
@@ -132,7 +133,10 @@ def _dedup(url: str, model: Path, tmp_path: Path) -> None:
             body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "temperature": 0}
             out.write(orjson.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
                                     "body": body}) + b"\n")
+    labels = nights.runner.metrics.labels
+    before = REGISTRY.get_sample_value("batchinfer:result_cache_dedup_total", labels) or 0.0
     job, stats, lines = nights.run(path, shard_size=7)  # twins in different shards
+    assert REGISTRY.get_sample_value("batchinfer:result_cache_dedup_total", labels) - before == 36
     assert job.num_shards == 6
     assert stats.requests_finished == 4
     assert sorted(line["custom_id"] for line in lines) == sorted(f"c{i}" for i in range(40))
