@@ -19,7 +19,7 @@ from batchinfer.api.cache import PollCache
 from batchinfer.api.deps import AUTH_CACHE_TTL_S, STATUS_CACHE_TTL_S, shutdown_ingest_pool
 from batchinfer.api.errors import install_error_handlers
 from batchinfer.api.loopback import LoopbackOnly, is_loopback
-from batchinfer.api.routes import batches, files, health, ui
+from batchinfer.api.routes import batches, estimate, files, health, ui
 from batchinfer.config import Settings, get_settings
 from batchinfer.store.db import session_factory
 from batchinfer.store.files import files_dir, remove_stale_uploads
@@ -76,6 +76,7 @@ def create_app(settings: Settings | None = None, *, auth_cache_ttl_s: float = AU
     install_error_handlers(app)
     app.add_middleware(metrics.LatencyMiddleware)
     app.include_router(files.router)
+    app.include_router(estimate.router)  # before batches: /v1/batches/estimate is no batch id
     app.include_router(batches.router)
     app.include_router(health.router)
     app.include_router(metrics.router)

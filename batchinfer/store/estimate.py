@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -24,6 +26,7 @@ import orjson
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from batchinfer.config import Settings
 from batchinfer.formats import Endpoint, LineError, NormalizedRequest, parse_line
 from batchinfer.store.db import end_transaction
 from batchinfer.store.ingest import MAX_LISTED_ERRORS, IngestLimits, iter_lines
@@ -204,6 +207,40 @@ def estimate(session: Session, *, model: str, read: FileRead, tokenize: Tokenize
                     cached_prompt_tokens=shared_prefix_tokens(prompts, block_size=block_size),
                     max_output_tokens=max_output, expected_output_tokens=expected_output,
                     expected_seconds=seconds, live_workers=workers, basis=basis, errors=read.errors)
+
+
+@functools.lru_cache(maxsize=4)
+def model_tokenizer(model: str) -> tuple[Tokenize, int | None]:
+    """The worker's prompt of a request as token ids (its tokenizer and chat template, as workers/runner.py
+    builds it) and the model's context length; loads no weights. ValueError/OSError for an unknown model."""
+    from batchinfer.engine.loader import load_hf_config, load_tokenizer, resolve_model_path
+
+    path = resolve_model_path(model)
+    tokenizer = load_tokenizer(path)
+    context = getattr(load_hf_config(path), "max_position_embeddings", None)
+
+    def tokenize(request: NormalizedRequest) -> list[int]:
+        if request.messages is not None:
+            options = request.options or {}
+            text = tokenizer.apply_chat_template(
+                request.messages, add_generation_prompt=options.get("add_generation_prompt", True),
+                tokenize=False, **options.get("chat_template_kwargs", {}))
+            return list(tokenizer.encode(text, add_special_tokens=False))
+        if isinstance(request.prompt, str):
+            return list(tokenizer.encode(request.prompt, add_special_tokens=True))
+        return list(request.prompt or [])  # token ids as given; embeddings inputs are not counted
+
+    return tokenize, context
+
+
+def estimate_file(session: Session, *, path: str | os.PathLike[str], model: str,
+                  settings: Settings) -> Estimate:
+    """`batchinfer estimate` / POST /v1/batches/estimate: read, tokenize and estimate the file at `path`."""
+    tokenize, context = model_tokenizer(model)
+    with open(path, "rb") as stream:
+        read = read_file(stream, IngestLimits.from_settings(settings, model))
+    return estimate(session, model=model, read=read, tokenize=tokenize, context=context,
+                    block_size=settings.block_size, max_num_seqs=settings.max_num_seqs)
 
 
 def describe(value: Any) -> str:
