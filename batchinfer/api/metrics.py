@@ -34,6 +34,7 @@ from batchinfer.config import Settings
 from batchinfer.engine.metrics import PREFIX
 from batchinfer.store.models import JobStatus, ShardStatus
 from batchinfer.store.result_cache import cache_size
+from batchinfer.store.serialize import jobs_at_risk
 from batchinfer.store.stats import job_totals_by_status, open_shards_by_model
 
 API_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -84,7 +85,10 @@ class JobsCollector(Collector):
                                         "result_cache_max_bytes).")
         cache_bodies = GaugeMetricFamily(f"{PREFIX}result_cache_bodies",
                                          "Result bodies the result cache holds.")
+        at_risk = GaugeMetricFamily(f"{PREFIX}jobs_at_risk", "Running jobs whose predicted finish falls "
+                                    "after their deadline (progress.at_risk).")
         with self.session_factory() as session:
+            at_risk.add_metric([], jobs_at_risk(session))
             bodies, size = cache_size(session)
             by_status = job_totals_by_status(session)
             shards = open_shards_by_model(session)
@@ -110,7 +114,7 @@ class JobsCollector(Collector):
             (queue if available else running).add_metric([label], count)
         cache_bytes.add_metric([], size)
         cache_bodies.add_metric([], bodies)
-        yield from (jobs, requests, queue, running, cache_bytes, cache_bodies)
+        yield from (jobs, requests, queue, running, cache_bytes, cache_bodies, at_risk)
 
 
 def jobs_registry(session_factory: sessionmaker[Session], settings: Settings) -> CollectorRegistry:

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from batchinfer.store.models import JOB_TERMINAL_STATUSES, File, Job, JobStatus
 from batchinfer.store.progress import InflightReport, estimate, inflight_by_job
-from batchinfer.store.timeline import first_claim, job_end
+from batchinfer.store.timeline import first_claim, first_claims, job_end
 from batchinfer.store.workers import served_models
 
 OUTPUT_FILE_PREFIX = "file-out-"
@@ -205,6 +206,16 @@ def current_batch_object(session: Session, job: Job) -> dict[str, Any]:
     inflight = inflight_by_job(session, job_ids=[job.id]).get(job.id) if running else None
     return batch_object(job, served_models=served, started_at=first_claim(session, job_id=job.id),
                         inflight=inflight)
+
+
+def jobs_at_risk(session: Session, *, now: datetime | None = None, limit: int = 1000) -> int:
+    """How many of the `limit` newest in-progress jobs are at risk (progress.at_risk): the metric's count."""
+    jobs = list(session.scalars(select(Job).where(Job.status == JobStatus.IN_PROGRESS)
+                                .order_by(Job.id.desc()).limit(limit)))
+    ids = [job.id for job in jobs]
+    started, inflight = first_claims(session, job_ids=ids), inflight_by_job(session, job_ids=ids)
+    return sum(batch_object(job, now=now, started_at=started.get(job.id),
+                            inflight=inflight.get(job.id))["progress"]["at_risk"] for job in jobs)
 
 
 def file_object(file: File) -> dict[str, Any]:

@@ -33,3 +33,22 @@ def test_a_job_that_would_finish_after_its_deadline_is_at_risk(session):
 def test_a_job_that_finishes_within_its_window_is_not(session):
     progress = one_line_done_after_100_s(session, "24h")["progress"]
     assert progress["at_risk"] is False and "note" not in progress
+
+
+def test_the_metric_counts_the_running_jobs_at_risk(session, db_url):
+    from sqlalchemy import update
+
+    from batchinfer.api.metrics import JobsCollector
+    from batchinfer.config import Settings
+    from batchinfer.store.db import session_factory
+    from batchinfer.store.models import Shard, utcnow
+    from batchinfer.store.serialize import jobs_at_risk
+
+    one_line_done_after_100_s(session, "1h")
+    one_line_done_after_100_s(session, "24h")
+    with session.begin():  # their first claims were 100 s ago: one line per 100 s
+        session.execute(update(Shard).values(started_at=utcnow() - timedelta(seconds=100)))
+    assert jobs_at_risk(session) == 1
+    collector = JobsCollector(session_factory(db_url), Settings(database_url=db_url))
+    gauges = {family.name: family for family in collector.collect()}
+    assert gauges["batchinfer:jobs_at_risk"].samples[0].value == 1
