@@ -42,13 +42,13 @@ class CreateBatchRequest(BaseModel):
         "Extension: requests per shard; default the server's shard_size setting."))
     output_expires_after: ExpiresAfter | None = Field(None, description=(
         "When the output and error files expire: the batch and its results are purged then."))
-    max_total_tokens: int | None = Field(None, ge=1, le=2**62, description=(
-        "Extension: the batch's token budget (prompt + completion tokens of all its lines); lines past it "
-        "end with a `budget_exceeded` error, finished lines are kept. Default: none."))
     result_cache: Literal["use", "refresh", "off"] | None = Field(None, description=(
         "Extension: 'use' serves deterministic lines (temperature 0 or a seed) computed before for this "
         "owner from the result cache, 'refresh' computes them again and replaces, 'off' neither; default "
         "the server's result_cache setting (the openai client sends it through extra_body)."))
+    max_total_tokens: int | None = Field(None, ge=1, le=2**62, description=(
+        "Extension: the batch's token budget (prompt + completion tokens of all its lines); lines past it "
+        "end with a `budget_exceeded` error, finished lines are kept. Default: none."))
 
 
 class BatchErrorItem(BaseModel):
@@ -110,6 +110,30 @@ class ResultCacheCounts(BaseModel):
     dedups: int = Field(description="Lines copied from an identical line of this batch.")
 
 
+class RetryBatchRequest(BaseModel):
+    """Extension: POST /v1/batches/{id}/retry: which of a finished batch's lines to run again."""
+
+    only: list[Literal["failed", "expired", "cancelled"]] | None = Field(None, max_length=3, description=(
+        "Kinds of lines to retry; default all three."))
+    include_invalid: bool = Field(False, description=(
+        "Also retry lines whose input was invalid (left out and named by default: they cannot succeed)."))
+
+
+class RetryLeftOut(BaseModel):
+    """A line a retry left out: its input was invalid."""
+
+    line: int
+    code: str | None = None
+
+
+class RetryInfo(BaseModel):
+    """Extension, in the answer of a retry: the parent batch, the lines retried, those left out."""
+
+    of: str
+    lines: int
+    left_out: list[RetryLeftOut]
+
+
 class BatchObject(BaseModel):
     """OpenAI's Batch object (+ `model` and the `progress` extension)."""
 
@@ -141,6 +165,7 @@ class BatchObject(BaseModel):
         "Extension: the batch's token budget, when it has one; usage never exceeds it."))
     progress: BatchProgress
     result_cache: ResultCacheCounts | None = None
+    retry: RetryInfo | None = None  # only in the answer of POST /v1/batches/{id}/retry
 
 
 class BatchList(BaseModel):

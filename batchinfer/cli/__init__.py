@@ -32,6 +32,7 @@ _COMMANDS: list[tuple[str, str]] = [
     ("batchinfer.cli.jobs", "list_"),
     ("batchinfer.cli.jobs", "results"),
     ("batchinfer.cli.jobs", "cancel"),
+    ("batchinfer.cli.retry_cmd", "retry"),
     ("batchinfer.cli.run_cmd", "run"),
     ("batchinfer.cli.estimate_cmd", "estimate"),
     ("batchinfer.cli.worker_cmd", "worker"),

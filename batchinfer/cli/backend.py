@@ -36,6 +36,8 @@ class Backend(Protocol):
 
     def cancel(self, batch_id: str) -> dict[str, Any]: ...
 
+    def retry(self, batch_id: str, *, only: list[str] | None, include_invalid: bool) -> dict[str, Any]: ...
+
     def results(self, batch_id: str, kind: str) -> Iterator[bytes]: ...
 
 
@@ -141,6 +143,26 @@ class LocalBackend:
                 raise BackendError(str(exc)) from None
             return self._batch(job, session)
 
+    def retry(self, batch_id: str, *, only: list[str] | None, include_invalid: bool) -> dict[str, Any]:
+        """A child job of the batch's failed / expired / cancelled lines (store.retry), any owner's; the
+        batch object with `retry: {of, lines, left_out}`."""
+        from batchinfer.store.errors import JobError, JobNotFound
+        from batchinfer.store.retry import retry_input
+        from workers.dispatch import submit_and_announce
+
+        with self.sessions() as session:
+            try:
+                child = retry_input(session, job_id=self._job_id(batch_id), only=only,
+                                    include_invalid=include_invalid)
+                job = submit_and_announce(session=session, settings=self.settings, stream=child.stream,
+                                          **child.submit_args)
+            except JobNotFound:
+                raise BackendError(f"batch {batch_id} not found") from None
+            except JobError as exc:
+                raise BackendError(str(exc)) from None
+            return {**self._batch(job, session),
+                    "retry": {"of": batch_id, "lines": len(child.lines), "left_out": child.left_out}}
+
     def results(self, batch_id: str, kind: str) -> Iterator[bytes]:
         """The output (kind="output"), error (kind="errors") or both (kind="all") lines, in input order."""
         from batchinfer.store.export import export_results
@@ -198,6 +220,10 @@ class RemoteBackend:
     def cancel(self, batch_id: str) -> dict[str, Any]:
         """Ask the server to cancel."""
         return self._call(self.client.cancel, batch_id)
+
+    def retry(self, batch_id: str, *, only: list[str] | None, include_invalid: bool) -> dict[str, Any]:
+        """Ask the server for a child batch of the batch's failed / expired / cancelled lines."""
+        return self._call(self.client.retry, batch_id, only=only, include_invalid=include_invalid)
 
     def results(self, batch_id: str, kind: str) -> Iterator[bytes]:
         """Stream the output or error file the server generated for the batch."""

@@ -164,6 +164,12 @@ class RemoteClient:
         """Ask the server to cancel `batch_id`; returns the Batch object (cancelling or cancelled)."""
         return self._request("POST", f"/batches/{batch_id}/cancel", replayable=True).json()  # idempotent
 
+    def retry(self, batch_id: str, *, only: list[str] | None = None,
+              include_invalid: bool = False) -> dict[str, Any]:
+        """A child batch of `batch_id`'s failed / expired / cancelled lines; returns its Batch object."""
+        body = {"only": only, "include_invalid": include_invalid}
+        return self._request("POST", f"/batches/{batch_id}/retry", json=body, replayable=False).json()
+
     def file(self, file_id: str) -> dict[str, Any]:
         """The File object of `file_id`."""
         return self._request("GET", f"/files/{file_id}").json()

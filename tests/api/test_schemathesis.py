@@ -23,7 +23,8 @@ OPERATIONS = [
     ("POST", "/v1/files"), ("GET", "/v1/files"), ("GET", "/v1/files/{file_id}"),
     ("DELETE", "/v1/files/{file_id}"), ("GET", "/v1/files/{file_id}/content"),
     ("POST", "/v1/batches"), ("GET", "/v1/batches"), ("GET", "/v1/batches/{batch_id}"),
-    ("POST", "/v1/batches/{batch_id}/cancel"), ("POST", "/v1/batches/estimate"), ("GET", "/healthz"),
+    ("POST", "/v1/batches/{batch_id}/cancel"), ("POST", "/v1/batches/{batch_id}/retry"),
+    ("POST", "/v1/batches/estimate"), ("GET", "/healthz"),
     ("GET", "/readyz"),
 ]
 

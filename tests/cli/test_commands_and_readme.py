@@ -35,6 +35,7 @@ SAMPLES: list[list[str]] = [
     ["list"],
     ["results", "batch_1", "-o", "{tmp}/out.jsonl"],
     ["cancel", "batch_1"],
+    ["retry", "batch_1"],
     ["workers", "--all"],
     ["rescue"],
     ["purge"],

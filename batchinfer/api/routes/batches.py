@@ -27,7 +27,7 @@ from batchinfer.api.deps import Caller, CallerDep, OwnerDep, SessionsDep, Settin
 from batchinfer.api.errors import ERROR_RESPONSES, APIError, bad_request, not_found
 from batchinfer.api.known_models import UnknownModel, check_batch_model
 from batchinfer.api.limits import quota_errors
-from batchinfer.api.schemas import BatchList, BatchObject, CreateBatchRequest
+from batchinfer.api.schemas import BatchList, BatchObject, CreateBatchRequest, RetryBatchRequest
 from batchinfer.config import Settings
 from batchinfer.formats import URL_TO_ENDPOINT, validate_metadata
 from batchinfer.store import files as file_store
@@ -44,6 +44,7 @@ from batchinfer.store.models import JOB_TERMINAL_STATUSES, File, Job
 from batchinfer.store.progress import inflight_by_job
 from batchinfer.store.quotas import check_job_quotas, reserve_job
 from batchinfer.store.result_files import record_result_sizes_in_background
+from batchinfer.store.retry import retry_input
 from batchinfer.store.serialize import batch_object, current_batch_object, parse_batch_id, parse_file_id
 from batchinfer.store.timeline import first_claims
 from batchinfer.store.workers import served_models
@@ -264,6 +265,47 @@ async def cancel_batch(batch_id: BatchId, caller: CallerDep, request: Request) -
     batch = await run_in_threadpool(_cancel, caller, batch_id)
     request.app.state.status_cache.drop(parse_batch_id(batch["id"]))  # read-your-writes for this client
     return batch
+
+
+@router.post("/{batch_id}/retry", response_model=BatchObject, responses=ERROR_RESPONSES,
+             summary="Retry a batch's failed lines")
+async def retry_batch(batch_id: BatchId, body: RetryBatchRequest, caller: CallerDep,
+                      settings: SettingsDep) -> dict[str, Any]:
+    """Extension: a new batch of a finished batch's failed / expired / cancelled lines (its metadata's
+    `retry_of` names the parent); lines with invalid input are named in `retry.left_out` unless included."""
+    return await run_in_threadpool(_retry, caller, settings, batch_id, body)
+
+
+def _retry(caller: Caller, settings: Settings, batch_id: str, body: RetryBatchRequest) -> dict[str, Any]:
+    job_id = parse_batch_id(batch_id)
+    if job_id is None:
+        raise not_found("batch", batch_id, param="batch_id")
+    with caller.session() as (session, owner):
+        try:
+            child = retry_input(session, job_id=job_id, owner=owner, only=body.only,
+                                include_invalid=body.include_invalid)
+        except JobNotFound:
+            raise not_found("batch", batch_id, param="batch_id") from None
+        except JobStateError as exc:
+            raise bad_request(str(exc), param="batch_id", code="invalid_batch_status") from None
+        except JobError as exc:
+            raise bad_request(str(exc), param="only") from None
+        size = len(child.stream.getbuffer())
+
+        def reserve(session: Session, job: Job) -> None:  # the child's lines and bytes, as a create's
+            reserve_job(session, job=job, settings=settings, requests=len(child.lines), request_bytes=size)
+
+        with quota_errors():  # 429 naming the limit, as a create would
+            check_job_quotas(session, owner=owner, settings=settings)
+            try:
+                job = submit_and_announce(session=session, settings=settings, stream=child.stream,
+                                          reserve=reserve, **child.submit_args)
+            except JobError as exc:
+                if type(exc) is not JobError:
+                    raise
+                raise bad_request(str(exc), param="batch_id") from None
+        return {**batch_object(job), "retry": {"of": batch_id, "lines": len(child.lines),
+                                                "left_out": child.left_out}}
 
 
 def _cancel(caller: Caller, batch_id: str) -> dict[str, Any]:
