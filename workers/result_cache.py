@@ -185,7 +185,6 @@ class ResultCache:
         self._primaries: dict[tuple[int, str], _Primary] = {}  # (job id, key) -> primary
         self._by_engine_id: dict[str, tuple[int, str]] = {}
         self._keys: dict[str, str | None] = {}  # engine id -> key, for every request planned and running
-        self._leases: dict[int, ShardLease] = {}
         self._to_store: dict[tuple[int, bool], dict[str, dict[str, Any]]] = defaultdict(dict)
         self.hits = self.dedups = 0
 
@@ -202,7 +201,6 @@ class ResultCache:
 
     def plan(self, lease: ShardLease, pending: list[PendingRequest]) -> Plan:
         """Rows for the hits, the primaries to run, the duplicates that wait for a primary."""
-        self._leases[lease.shard_id] = lease
         mode = self.mode(lease.job_id)
         identity = self.identity(lease)
         keys: dict[int, str | None] = {}
@@ -213,9 +211,11 @@ class ResultCache:
             self._keys[str(request.request_id)] = key
         found: dict[str, cache_store.CachedBody] = {}
         wanted = {key for key in keys.values() if key is not None}
-        if mode == "use" and wanted:
+        if mode != "off" and wanted:
             with self.sessions() as session:
                 found = cache_store.lookup(session, keys=wanted)
+            if mode == "refresh":  # computed again: only what this job itself computed already counts
+                found = {key: body for key, body in found.items() if body.computed_in == lease.job_id}
         plan = Plan([], [], [])
         fresh = {key: row for (job_id, _), rows in self._to_store.items() if job_id == lease.job_id
                  for key, row in rows.items()}
@@ -277,7 +277,6 @@ class ResultCache:
     def forget_shard(self, shard_id: int) -> list[tuple[int, PendingRequest]]:
         """The shard is no longer held: its primaries' waiters in other shards run themselves; its own
         waiters are dropped (the shard's pending rows run again wherever it is claimed next)."""
-        self._leases.pop(shard_id, None)
         orphans: list[tuple[int, PendingRequest]] = []
         for job_key, primary in list(self._primaries.items()):
             primary.waiters = [(s, r) for s, r in primary.waiters if s != shard_id]
@@ -289,15 +288,15 @@ class ResultCache:
             self._keys[str(waiter.request_id)] = None
         return orphans
 
-    def lease_of(self, shard_id: int) -> ShardLease | None:
-        return self._leases.get(shard_id)
+    def discard(self, engine_id: str) -> None:
+        """`engine_id` was aborted with its shard (forget_shard has seen to its twins)."""
+        self._keys.pop(engine_id, None)
 
     def reset(self) -> None:
         """Every shard went back (hand_back): nothing planned survives."""
         self._primaries.clear()
         self._by_engine_id.clear()
         self._keys.clear()
-        self._leases.clear()
 
     def store(self) -> None:
         """Write the bodies computed since the last call (a body is correct whatever became of its shard)."""

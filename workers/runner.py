@@ -414,6 +414,7 @@ class ShardRunner:
         for engine_id in list(flight.outstanding):
             self.engine.abort(engine_id)
             self._submitted.pop(engine_id, None)
+            self._cache.discard(engine_id)
         flight.outstanding.clear()
         self._resubmit(orphans)
 
