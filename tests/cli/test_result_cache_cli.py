@@ -1,5 +1,6 @@
 """`batchinfer run` nights on one data dir (issue 31): night 2 computes only its changed lines, a night
-whose lines are all hits loads no model, `--result-cache off` computes everything, `status` prints hits."""
+whose lines are all hits loads no model, `--result-cache off` computes everything, `status` prints hits;
+a schedule's jobs take its `--result-cache`."""
 
 from __future__ import annotations
 
@@ -79,3 +80,16 @@ def test_nights_on_one_data_dir(env: Path, monkeypatch: pytest.MonkeyPatch) -> N
     code, out = _cli("run", str(env / "night2.jsonl"), "-o", str(env / "out4.jsonl"), "--result-cache", "off")
     assert code == 4, out  # off needs the engine, which cannot load here: the job fails, saying why
     assert "no model may be loaded here" in out
+
+
+def test_schedule_jobs_take_the_schedules_result_cache_mode(env: Path) -> None:
+    _write(env / "in.jsonl", ["a", "b"])
+    code, out = _cli("schedule", "add", "nightly", "--cron", "0 2 * * *", "--input", str(env / "in.jsonl"),
+                     "--result-cache", "off", "--json")
+    assert code == 0, out
+    assert orjson.loads(out)["result_cache"] == "off"
+    code, out = _cli("schedule", "run-now", "nightly", "--json")
+    assert code == 0, out
+    code, out = _cli("list", "--json")
+    batches = [orjson.loads(line) for line in out.splitlines()]
+    assert [batch["result_cache"]["mode"] for batch in batches] == ["off"]
