@@ -1,4 +1,4 @@
-"""quantization="gguf" (engine/layers/gguf_weights.py, cpu_gguf_source.py): the GGUF file's own blocks.
+"""quantization="gguf" (engine/layers/gguf_weights.py, csrc/gguf_linear.cpp): the GGUF file's own blocks.
 
 Block decoding on hand-made bytes, llama.cpp's Q/K row order undone, the Q4 / Q8 kernels against the
 de-quantized matmul at every batch shape they branch on, and the real SmolLM2 GGUF: every linear on its

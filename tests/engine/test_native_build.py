@@ -62,3 +62,22 @@ def test_the_key_changes_with_what_decides_the_binary(change: str):
     changed = {**base, change: base[change] + (" " if change == "source" else ["-g"])}
     assert native_build.cache_key(**base) == native_build.cache_key(**base)
     assert native_build.cache_key(**changed) != native_build.cache_key(**base)
+
+
+def test_the_cpp_sources_ship_as_package_data_and_are_hashed_into_the_key(tmp_path: Path):
+    """Every C++ file of csrc/ is matched by pyproject's package-data (a wheel holds it) and is in the key."""
+    import fnmatch
+    import shutil
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    globs = project["tool"]["setuptools"]["package-data"]["batchinfer.engine.layers"]
+    files = sorted(p.name for p in native_build.CSRC_DIR.iterdir() if p.suffix in (".cpp", ".h"))
+    assert set(native_build.SOURCES) <= set(files)
+    assert all(any(fnmatch.fnmatch(f"csrc/{name}", glob) for glob in globs) for name in files)
+    copy = shutil.copytree(native_build.CSRC_DIR, tmp_path / "csrc")
+    assert native_build.source_text(copy) == native_build.source_text()
+    header = copy / "cpu_kernels.h"
+    header.write_text(header.read_text() + "\n")  # a header edit alone is a new binary too
+    assert native_build.cache_key(native_build.source_text(copy), ["-O3"], []) != native_build.cache_key(
+        native_build.source_text(), ["-O3"], [])

@@ -3,7 +3,7 @@
 A GGUF model is converted once to safetensors by de-quantizing its blocks (loader.py); without this mode
 the engine then runs fp32 weights, 4-7x the memory of the file. Here every matrix the file stores as
 Q4_0, Q4_1 or Q8_0 keeps the file's codes and scales, and runs through the extension's q4_linear /
-q8_linear (cpu_gguf_source.py):
+q8_linear (csrc/gguf_linear.cpp):
   - Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles;  w = d * q + m
   - Q4_0 block: fp16 d, 16 bytes of nibbles;          w = d * (q - 8), i.e. m = -8 d
   - Q8_0 block: fp16 d, 32 int8;                      w = d * q

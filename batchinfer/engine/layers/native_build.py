@@ -1,9 +1,13 @@
 """Building batchinfer's native CPU kernels once per installation, and finding that build again.
 
+The sources: the `.cpp` / `.h` files of `csrc/` beside this module (package data), compiled with
+torch.utils.cpp_extension (g++, ninja) into one extension (`SOURCES`; bindings.cpp names its functions).
+
 The key: everything that decides the binary goes into the extension's name, so one name is one binary:
-the C++ sources, torch's version and C++ ABI, Python's extension ABI (EXT_SUFFIX), the compiler (CXX) and
-flags, the machine and its CPU flags (the flags include -march=native). A different torch, Python or CPU
-gets its own build beside the others instead of overwriting theirs.
+the C++ sources (every file of csrc/, names and text), torch's version and C++ ABI, Python's extension
+ABI (EXT_SUFFIX), the compiler (CXX) and flags, the machine and its CPU flags (the flags include
+-march=native). A different torch, Python or CPU gets its own build beside the others instead of
+overwriting theirs.
 
 Where (`kernel_dirs`): $BATCHINFER_KERNEL_DIR when set, else `<sys.prefix>/share/batchinfer/kernels`
 (the venv, or the Docker image's /opt/venv: one cache per installation, filled by `batchinfer
@@ -44,6 +48,8 @@ EXPECTED_BUILD_S = 40  # what the announcement promises (2 cores; the measured f
 OWNER_LOCK_NAME = "batchinfer-build.lock"  # our lock beside torch's "lock" file, in the build directory
 TORCH_LOCK_NAME = "lock"  # torch.utils.file_baton's lock: a plain file that a killed builder leaves behind
 COMPLETE_NAME = "batchinfer-complete"  # written after a successful build; holds the key it was built for
+CSRC_DIR = Path(__file__).resolve().with_name("csrc")  # the C++ sources, shipped as package data
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "gguf_linear.cpp")  # the units compiled
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,12 @@ def cache_key(source: str, cflags: list[str], ldflags: list[str]) -> str:
         " ".join(ldflags), platform.machine(), " ".join(sorted(cpu_flags())),
     ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def source_text(directory: Path = CSRC_DIR) -> str:
+    """Every C++ file of `directory` (sources and headers), named, in one string: what cache_key hashes."""
+    files = sorted(p for p in directory.iterdir() if p.suffix in (".cpp", ".h"))
+    return "\0".join(f"{p.name}\0{p.read_text()}" for p in files)
 
 
 def kernel_dirs() -> list[Path]:
@@ -114,9 +126,11 @@ def _import(directory: Path, name: str) -> ModuleType:
     return module
 
 
-def load_or_build(*, name: str, source: str, functions: list[str], cflags: list[str], ldflags: list[str],
-                  wait_s: float = BUILD_WAIT_S) -> NativeBuild | None:
+def load_or_build(*, name: str, cflags: list[str], ldflags: list[str], sources: tuple[str, ...] = SOURCES,
+                  csrc: Path = CSRC_DIR, wait_s: float = BUILD_WAIT_S) -> NativeBuild | None:
     """The extension `name` (which must carry cache_key), imported from the cache or built there first.
+
+    `sources` are file names under `csrc`, compiled with `csrc` on the include path.
 
     None when another live process held the build longer than `wait_s`, or no cache directory is
     writable. Compiler errors propagate (the caller falls back to its torch path).
@@ -137,11 +151,12 @@ def load_or_build(*, name: str, source: str, functions: list[str], cflags: list[
             return None
         if (directory / COMPLETE_NAME).is_file():  # another process built it while this one waited
             return NativeBuild(_import(directory, name), directory, False, time.monotonic() - start)
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load
 
         with BuildProgress(directory):
-            module = load_inline(name=name, cpp_sources=source, functions=functions, extra_cflags=cflags,
-                                 extra_ldflags=ldflags, build_directory=str(directory))
+            module = load(name=name, sources=[str(csrc / source) for source in sources],
+                          extra_cflags=cflags, extra_ldflags=ldflags, extra_include_paths=[str(csrc)],
+                          build_directory=str(directory))
         (directory / COMPLETE_NAME).write_text(f"{name}\n")
     return NativeBuild(module, directory, True, time.monotonic() - start)
 

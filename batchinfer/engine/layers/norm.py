@@ -1,5 +1,5 @@
 """RMSNorm, rounded exactly like Hugging Face's LlamaRMSNorm, with a fused residual-add variant (one C++ pass
-on CPU: cpu_fused_source.rms_norm)."""
+on CPU: csrc/fused_ops.cpp's rms_norm)."""
 
 from __future__ import annotations
 

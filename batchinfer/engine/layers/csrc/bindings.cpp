@@ -1,0 +1,16 @@
+// The extension's Python module: one entry per exported function, each wrapped so that a failed
+// TORCH_CHECK raises a Python RuntimeError (what torch.utils.cpp_extension.load_inline generated before).
+#include <torch/extension.h>
+
+#include "cpu_kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", torch::wrap_pybind_function(paged_decode_attention), "paged_decode_attention");
+  m.def("rotary_", torch::wrap_pybind_function(rotary_), "rotary_");
+  m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
+  m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
+  m.def("store_kv_", torch::wrap_pybind_function(store_kv_), "store_kv_");
+  m.def("scale_rows", torch::wrap_pybind_function(scale_rows), "scale_rows");
+  m.def("q4_linear", torch::wrap_pybind_function(q4_linear), "q4_linear");
+  m.def("q8_linear", torch::wrap_pybind_function(q8_linear), "q8_linear");
+}

@@ -1,0 +1,39 @@
+// batchinfer's native CPU kernels: the includes every source shares and the functions the extension exports
+// (bound to Python in bindings.cpp, called from engine/layers/cpu_attention.py and the layers).
+// Built by engine/layers/native_build.py with -O3 -march=native -ffast-math -fopenmp; the cache key hashes
+// every file in this folder, so any edit here means one rebuild.
+#pragma once
+
+#include <torch/types.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+using bf16 = at::BFloat16;
+
+// paged_attention.cpp
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+
+// fused_ops.cpp
+void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
+torch::Tensor silu_and_mul(torch::Tensor x);
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                    torch::Tensor weight, double eps);
+void store_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+               torch::Tensor slots, c10::optional<torch::Tensor> rows);
+std::vector<torch::Tensor> scale_rows(torch::Tensor x, double floor);
+
+// gguf_linear.cpp
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
+                        int64_t tile_rows);
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, int64_t tile_rows);
