@@ -10,7 +10,8 @@
   requests on W live workers runs about R/W at once (at most max_num_seqs), so it needs about
   output / (W x concurrency) steps; a step's time is measured per finished job and grows with the square
   root of the concurrency (between a GPU's flat step time and a CPU's linear one: within 25% of either
-  for a concurrency 1.5 times the measured one). None before a finished job of the model.
+  for a concurrency 1.5 times the measured one), plus the mean wait for idle polling workers to look
+  (no broker). None before a finished job of the model.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from batchinfer.config import Settings
 from batchinfer.formats import Endpoint, LineError, NormalizedRequest, parse_line
 from batchinfer.store.db import end_transaction
 from batchinfer.store.ingest import MAX_LISTED_ERRORS, IngestLimits, iter_lines
-from batchinfer.store.models import Job, JobStatus, Request, RequestStatus, Shard, request_id_for
+from batchinfer.store.models import Job, JobStatus, Request, RequestStatus, Shard, request_id_for, utcnow
 from batchinfer.store.workers import list_workers
 
 HISTORY_JOBS = 20  # the most recent finished jobs of the model the rates come from
 HISTORY_REQUESTS = 5000  # the most recent finished requests the output share comes from
 STEP_TIME_EXPONENT = 0.5  # a decode step's time ~ concurrency ** this (see the module docstring)
+POLL_MAX_BACKOFF_S = 5.0  # an idle broker-less worker's longest wait between polls (workers.process)
 
 Tokenize = Callable[[NormalizedRequest], list[int]]
 
@@ -166,20 +168,31 @@ def model_history(session: Session, *, model: str, max_num_seqs: int) -> History
     return History(output_share=share, share_requests=counted, step_seconds=step, rate_jobs=len(step_samples))
 
 
-def live_workers_of(session: Session, *, model: str, now: datetime | None = None) -> int:
-    """Live workers serving `model` (or an adapter named so)."""
-    return sum(1 for worker in list_workers(session, now=now)
-               if worker.model == model or model in (worker.info or {}).get("lora_adapters", ()))
+def live_workers_of(session: Session, *, model: str, now: datetime | None = None) -> tuple[int, float]:
+    """Live workers serving `model` (or an adapter named so), and the seconds a job submitted now waits on
+    average before idle polling workers look (0 when one is busy: it claims as soon as it has room)."""
+    now = now or utcnow()
+    serving = [worker for worker in list_workers(session, now=now)
+               if worker.model == model or model in (worker.info or {}).get("lora_adapters", ())]
+    if not serving or any(worker.shard_ids for worker in serving):
+        return len(serving), 0.0
+    # An idle worker's poll interval doubles from 0.2 s up to POLL_MAX_BACKOFF_S: after t idle seconds it
+    # is about t (each wait is the sum of the earlier ones), so a job arriving now waits half of that.
+    waits = []
+    for worker in serving:
+        idle_since = max(worker.started_at.timestamp(), float((worker.info or {}).get("generated_at") or 0))
+        waits.append(min(POLL_MAX_BACKOFF_S, max(now.timestamp() - idle_since, 0.2)) / 2)
+    return len(serving), min(waits)
 
 
 def estimate(session: Session, *, model: str, read: FileRead, tokenize: Tokenize, context: int | None,
-             block_size: int, max_num_seqs: int) -> Estimate:
+             block_size: int, max_num_seqs: int, polling: bool = False) -> Estimate:
     """The estimate of a read file on `model` with this deployment's history and live workers."""
     prompts = [tokenize(request) for request in read.requests]
     caps = [cap_of(request, len(prompt), context)
             for request, prompt in zip(read.requests, prompts, strict=True)]
     history = model_history(session, model=model, max_num_seqs=max_num_seqs)
-    workers = live_workers_of(session, model=model)
+    workers, poll_wait = live_workers_of(session, model=model)
     basis = [f"prompt tokens: {model}'s tokenizer and chat template; cached: prompts' shared prefixes "
              f"in whole {block_size}-token KV blocks"]
     max_output = sum(caps)
@@ -199,9 +212,13 @@ def estimate(session: Session, *, model: str, read: FileRead, tokenize: Tokenize
     elif read.requests:
         concurrency = min(len(read.requests) / workers, max_num_seqs)
         steps = expected_output / workers / max(concurrency, 1)
-        seconds = round(steps * history.step_seconds * max(concurrency, 1) ** STEP_TIME_EXPONENT, 1)
+        seconds = steps * history.step_seconds * max(concurrency, 1) ** STEP_TIME_EXPONENT
         basis.append(f"seconds: decode steps at the pace of {history.rate_jobs} finished job(s) of {model}, "
                      f"{len(read.requests)} requests over {workers} live worker(s)")
+        if polling and poll_wait:
+            seconds += poll_wait
+            basis.append(f"seconds: + {poll_wait:.1f} s until an idle polling worker looks for work")
+        seconds = round(seconds, 1)
     return Estimate(model=model, requests=len(read.requests), invalid_lines=read.invalid,
                     prompt_tokens=sum(map(len, prompts)),
                     cached_prompt_tokens=shared_prefix_tokens(prompts, block_size=block_size),
@@ -240,7 +257,8 @@ def estimate_file(session: Session, *, path: str | os.PathLike[str], model: str,
     with open(path, "rb") as stream:
         read = read_file(stream, IngestLimits.from_settings(settings, model))
     return estimate(session, model=model, read=read, tokenize=tokenize, context=context,
-                    block_size=settings.block_size, max_num_seqs=settings.max_num_seqs)
+                    block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
+                    polling=not settings.broker_url)
 
 
 def describe(value: Any) -> str:

@@ -71,5 +71,6 @@ def test_after_a_finished_job_the_estimate_uses_its_output_share_and_pace(env: P
         register_worker(session, worker_id="w1", model=str(tiny_llama), hostname=socket.gethostname())
     figures = _estimate(env / "next.jsonl")
     assert figures["live_workers"] == 1 and figures["expected_seconds"] > 0
+    assert any("idle polling worker looks" in line for line in figures["basis"])  # no broker: it polls
     text = CliRunner().invoke(main, ["estimate", str(env / "next.jsonl")], catch_exceptions=False).output
     assert "expected_seconds" in text and "basis: seconds: decode steps" in text
