@@ -191,8 +191,8 @@ def batch_object(job: Job, *, now: datetime | None = None, served_models: Collec
         "max_total_tokens": job.max_total_tokens,  # extension: the token budget (None: none), store.budgets
         "progress": _progress(job, now, waiting_note(job, served_models) if served_models is not None
                               else None, started_at, inflight),
-        "result_cache": {"mode": job.result_cache, "hits": job.result_cache_hits,  # store/result_cache.py
-                         "dedups": job.result_cache_dedups},
+        "result_cache": {"mode": job.result_cache or "use", "hits": job.result_cache_hits or 0,
+                         "dedups": job.result_cache_dedups or 0},  # store/result_cache.py
     }
 
 
