@@ -18,8 +18,9 @@ from torch import nn
 
 from batchinfer.engine.distributed import all_reduce, tp_rank, tp_world_size
 from batchinfer.engine.layers.context import current_lora_batch
+from batchinfer.engine.layers.partition import divide, local_kv_heads
 
-__all__ = ["tp_rank", "tp_world_size"]
+__all__ = ["local_kv_heads", "tp_rank", "tp_world_size"]
 
 
 def shape_of(loaded: Any) -> tuple[int, ...]:
@@ -37,12 +38,6 @@ def read_part(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
 def read_all(loaded: Any) -> torch.Tensor:
     """The whole checkpoint tensor (a safetensors slice is read)."""
     return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
-
-
-def _divide(numerator: int, denominator: int) -> int:
-    if numerator % denominator:
-        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
-    return numerator // denominator
 
 
 class LinearBase(nn.Module):
@@ -118,7 +113,7 @@ class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank's output is its slice (no communication)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, _divide(output_size, tp_world_size()), bias, tp_dim=0)
+        super().__init__(input_size, divide(output_size, tp_world_size()), bias, tp_dim=0)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -142,18 +137,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _checked_copy(dst, _take_rows(loaded, self.tp_rank, self.tp_size, size, dst))
 
 
-def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
-    """KV heads held per rank: an even split, or 1 (replicated) when there are fewer KV heads than ranks."""
-    if num_kv_heads >= tp_size:
-        return _divide(num_kv_heads, tp_size)
-    if tp_size % num_kv_heads:
-        raise ValueError(
-            f"the tensor-parallel size {tp_size} is neither a divisor nor a multiple of num_key_value_heads="
-            f"{num_kv_heads}"
-        )
-    return 1
-
-
 class QKVParallelLinear(ColumnParallelLinear):
     """Query, key and value projections fused in one matmul; Q heads split across ranks, KV heads split
     too or, when there are fewer KV heads than ranks, replicated (rank r holds KV head r * Hkv // tp)."""
@@ -163,7 +146,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         tp = tp_world_size()
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp)
+        self.num_heads = divide(num_heads, tp)
         self.num_kv_heads = local_kv_heads(num_kv_heads, tp)
         self.total_num_kv_heads = num_kv_heads
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp  # the parent divides by tp
@@ -191,7 +174,7 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; the partial outputs are summed by one all-reduce."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(_divide(input_size, tp_world_size()), output_size, bias, tp_dim=1)
+        super().__init__(divide(input_size, tp_world_size()), output_size, bias, tp_dim=1)
 
     def effective_bias(self) -> torch.Tensor | None:
         """The bias is added once (by rank 0) so the all-reduced sum stays right."""

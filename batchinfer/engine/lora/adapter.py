@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from batchinfer.engine.layers.partition import local_kv_heads
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -69,8 +71,6 @@ ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # input features split across
 
 def module_layouts(hf_config: Any, tp_size: int = 1) -> dict[str, ModuleLayout]:
     """Engine module name -> its layout on one of tp_size ranks, from the base model's config."""
-    from batchinfer.engine.layers.linear import local_kv_heads
-
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
