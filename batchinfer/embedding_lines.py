@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import base64
 import struct
-from collections.abc import Callable
 from typing import Any
+
+from batchinfer.prompt_fields import Fail
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 ENCODING_FORMATS = ("float", "base64")
 _ACCEPTED_FIELDS = frozenset({"input", "encoding_format", "model", "user"})
-
-Fail = Callable[..., Exception]  # formats.py's fail(message, param, code=...)
 
 
 def read_body(body: dict[str, Any], fail: Fail) -> tuple[dict[str, Any], str | None]:

@@ -10,13 +10,13 @@ output fields: structured_fields.py).
 
 Without max_tokens a request runs until the context is full (OpenAI), max_tokens=None. body.model is kept
 for the store to route (line_models.py); echo and chat template fields are request_options.py's; the fields
-batchinfer knows but does not do are unsupported_fields.py's; /v1/embeddings bodies embedding_lines.py's.
+batchinfer knows but does not do are unsupported_fields.py's; /v1/embeddings bodies embedding_lines.py's;
+messages and prompts prompt_fields.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from dataclasses import dataclass
 from enum import StrEnum
@@ -28,9 +28,10 @@ from cachetools import FIFOCache
 from batchinfer import embedding_lines, request_options, responses_lines
 from batchinfer.engine.grammars import DEFAULT_GRAMMAR_BUDGET, GrammarBudget, using_budget
 from batchinfer.engine.sampling_params import SamplingParams, SamplingParamsError
+from batchinfer.prompt_fields import json_type, read_messages, read_prompt
 from batchinfer.request_options import CHAT_OPTION_FIELDS, COMPLETION_OPTION_FIELDS
 from batchinfer.structured_fields import CONSTRAINT_FIELDS, read_constraint
-from batchinfer.unsupported_fields import NOT_SUPPORTED_FIELDS, NOT_SUPPORTED_PARTS
+from batchinfer.unsupported_fields import NOT_SUPPORTED_FIELDS
 
 
 class Endpoint(StrEnum):
@@ -49,7 +50,6 @@ MAX_CUSTOM_ID_CHARS = 512
 MAX_N = 128
 MAX_METADATA_KEYS = 16
 MAX_JSON_DEPTH = 254  # orjson writes at most this many levels (it reads 1024): deeper cannot be stored
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 ENVELOPE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 SAMPLING_FIELDS = frozenset({
     "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
@@ -131,7 +131,7 @@ def parse_line(line: bytes, line_number: int, *, max_metadata_bytes: int = 16 * 
         raise LineError(f"invalid JSON: {exc}; each line must be one complete JSON object",
                         code="invalid_json") from None
     if not isinstance(obj, dict):
-        raise LineError(f"expected a JSON object, got {_json_type(obj)}", code="invalid_json")
+        raise LineError(f"expected a JSON object, got {json_type(obj)}", code="invalid_json")
     shorthand = "body" not in obj and "url" not in obj and "method" not in obj
     if shorthand and ("messages" in obj or "prompt" in obj):
         return _parse_shorthand(obj, line_number, max_metadata_bytes, constraint_budget)
@@ -173,7 +173,7 @@ def _parse_envelope(obj: dict[str, Any], max_metadata_bytes: int, budget: Gramma
         missing = sorted(ENVELOPE_FIELDS - obj.keys())[0]
         raise fail(f"missing required field {missing!r}", "missing_required_parameter", missing)
     if not isinstance(custom_id, str):
-        raise fail(f"custom_id must be a string, got {_json_type(custom_id)}", param="custom_id")
+        raise fail(f"custom_id must be a string, got {json_type(custom_id)}", param="custom_id")
     if not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
         raise fail(f"custom_id must be 1 to {MAX_CUSTOM_ID_CHARS} characters, got {len(custom_id)}",
                    param="custom_id")
@@ -186,7 +186,7 @@ def _parse_envelope(obj: dict[str, Any], max_metadata_bytes: int, budget: Gramma
         raise fail(f"url {url!r} is not supported; use one of {sorted(URL_TO_ENDPOINT)}", "invalid_url",
                    "url")
     if not isinstance(body, dict):
-        raise fail(f"body must be a JSON object, got {_json_type(body)}", param="body")
+        raise fail(f"body must be a JSON object, got {json_type(body)}", param="body")
     return _normalize(URL_TO_ENDPOINT[url], body, custom_id, "body.", max_metadata_bytes, budget)
 
 
@@ -206,11 +206,11 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
     if endpoint is not Endpoint.COMPLETIONS:
         if "prompt" in body:
             raise fail("unknown or unsupported field (prompt belongs to /v1/completions)", "prompt")
-        messages = _messages(body.get("messages"), fail)
+        messages = read_messages(body.get("messages"), fail)
     else:
         if "messages" in body:
             raise fail("unknown or unsupported field (messages belong to /v1/chat/completions)", "messages")
-        prompt = _prompt(body.get("prompt"), fail)
+        prompt = read_prompt(body.get("prompt"), fail)
     options = {k: v for k, v in body.items() if k not in _PROMPT_AND_METADATA}
     if "metadata" in body:
         try:
@@ -238,7 +238,7 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
         raise fail(exc.message, exc.field, "invalid_value") from None
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model.strip()):
-        raise fail(f"must be a model name (a non-empty string), got {_json_type(model)}", "model")
+        raise fail(f"must be a model name (a non-empty string), got {json_type(model)}", "model")
     return NormalizedRequest(custom_id, endpoint, messages, prompt, checked, extra, model)
 
 
@@ -326,73 +326,6 @@ def check_sampling_fields(fields: dict[str, Any]) -> None:
 
 _DEFAULTABLE_FIELDS = SAMPLING_FIELDS | CONSTRAINT_FIELDS | {"max_completion_tokens", "logprobs",
                                                               "top_logprobs"}
-_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
-_NOT_SUPPORTED_MESSAGE_FIELDS = frozenset({"tool_calls", "tool_call_id", "function_call", "audio",
-                                           "refusal"})
-
-
-def _messages(messages: Any, fail: Any) -> list[dict[str, Any]]:
-    if messages is None:
-        raise fail("missing; a chat request needs a non-empty list of messages", "messages",
-                   "missing_required_parameter")
-    if not isinstance(messages, list) or not messages:
-        raise fail(f"must be a non-empty list of {{role, content}} objects, got {_json_type(messages)}",
-                   "messages")
-    out = messages
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise fail(f"must be an object with role and content, got {_json_type(message)}",
-                       f"messages[{i}]")
-        role, content = message.get("role"), message.get("content")
-        if role not in CHAT_ROLES:
-            raise fail(f"role {role!r} is not one of {sorted(CHAT_ROLES)}", f"messages[{i}].role")
-        if len(message) > 2 and not _MESSAGE_FIELDS.issuperset(message):
-            extra = sorted(message.keys() - _MESSAGE_FIELDS)[0]
-            if extra in _NOT_SUPPORTED_MESSAGE_FIELDS:
-                raise fail(f"{extra} is not supported by batchinfer (text chat: role, content, name)",
-                           f"messages[{i}].{extra}")
-            raise fail(f"field {extra!r} is not supported (text chat: role, content, name)", f"messages[{i}]")
-        if isinstance(content, str):
-            continue
-        if isinstance(content, list) and content:
-            texts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    kind = part.get("type") if isinstance(part, dict) else None
-                    if isinstance(kind, str) and kind in NOT_SUPPORTED_PARTS:
-                        raise fail(f"{NOT_SUPPORTED_PARTS[kind]} is not supported by batchinfer; only text "
-                                   "parts {\"type\": \"text\", \"text\": ...}", f"messages[{i}].content[{j}]")
-                    raise fail("only text parts {\"type\": \"text\", \"text\": ...} are supported",
-                               f"messages[{i}].content[{j}]")
-                texts.append(part["text"])
-            if out is messages:
-                out = list(messages)  # copy before rewriting content parts to one string
-            out[i] = {**message, "content": "\n".join(texts)}
-            continue
-        raise fail(f"must be a string or a list of text parts, got {_json_type(content)}",
-                   f"messages[{i}].content")
-    return out
-
-
-def _prompt(prompt: Any, fail: Any) -> str | list[int]:
-    if prompt is None:
-        raise fail("missing; a completion request needs a prompt string", "prompt",
-                   "missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise fail("must not be empty", "prompt")
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                   for t in prompt):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        raise fail("one prompt per line: put each prompt on its own line", "prompt")
-    raise fail(f"must be a string or a list of token ids, got {_json_type(prompt)}", "prompt")
-
-
 def _chat_logprobs(options: dict[str, Any], params: dict[str, Any]) -> LineError | None:
     logprobs, top = options.get("logprobs"), options.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
@@ -413,7 +346,7 @@ def validate_metadata(metadata: Any, *, max_bytes: int) -> dict[str, str] | None
     if metadata is None:
         return None
     if not isinstance(metadata, dict):
-        raise ValueError(f"metadata must be an object of string keys and values, got {_json_type(metadata)}")
+        raise ValueError(f"metadata must be an object of string keys and values, got {json_type(metadata)}")
     if len(metadata) > MAX_METADATA_KEYS:
         raise ValueError(f"metadata has {len(metadata)} keys; at most {MAX_METADATA_KEYS} are allowed")
     for key, value in metadata.items():
@@ -423,13 +356,3 @@ def validate_metadata(metadata: Any, *, max_bytes: int) -> dict[str, str] | None
     if size > max_bytes:
         raise ValueError(f"metadata is {size} bytes; the limit is {max_bytes} (max_metadata_bytes)")
     return metadata
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number" if math.isfinite(value) else "a non-finite number"
-    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)

@@ -10,8 +10,9 @@ API batchinfer does not do (tools, reasoning, previous_response_id, non-text inp
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
+
+from batchinfer.prompt_fields import Fail
 
 # Responses fields that map onto chat ones as they are
 PASS_THROUGH_FIELDS = frozenset({"temperature", "top_p", "metadata", "user", "store", "service_tier", "model",
@@ -27,8 +28,6 @@ NOT_SUPPORTED_RESPONSES_FIELDS = {
     "safety_identifier": "safety_identifier", "stream_options": "streaming",
 }  # fmt: skip
 _TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text"})
-
-Fail = Callable[..., Exception]  # formats.py's fail(message, param, code=...)
 
 
 def chat_body(body: dict[str, Any], fail: Fail) -> dict[str, Any]:
