@@ -160,3 +160,28 @@ def test_an_idle_workers_rate_is_zero_whatever_its_last_busy_heartbeat_said(setu
     assert "Tokens/s <small>now</small>" in table
     rows = dict(re.findall(r'data-worker="(\w+)">.*?<td class="num">([\d.]+)</td>', table, re.S))
     assert rows == {"busy": "42.5", "idle": "0.0"}
+
+
+def test_the_upload_form_names_a_path_model_by_its_directory(tmp_path: Path, sqlite_url: str) -> None:
+    from batchinfer.api.ui.views import model_choices
+
+    upgrade(sqlite_url)
+    model = str(tmp_path / "models" / "tiny-llama")
+    settings = Settings(data_dir=tmp_path / "data", database_url=sqlite_url, default_model=model)
+    with session_factory(sqlite_url)() as session:
+        key, _ = create_key(session, name="alice", owner="alice")
+    client = TestClient(create_app(settings, auth_cache_ttl_s=0))
+    client.post("/ui/login", data={"api_key": key})
+    home = client.get("/ui").text
+    assert 'value="tiny-llama"' in home and str(tmp_path) not in home  # no temp or home path on show
+    write_requests(tmp_path / "in.jsonl", 2)
+    files = {"file": ("in.jsonl", (tmp_path / "in.jsonl").read_bytes())}
+    created = client.post("/ui/jobs", files=files, data={"purpose": "batch", "model": "tiny-llama"},
+                          headers=HTMX)
+    batch_id = created.headers["HX-Redirect"].rsplit("/", 1)[1]
+    batch = client.get(f"/v1/batches/{batch_id}", headers={"Authorization": f"Bearer {key}"}).json()
+    assert batch["model"] == model  # the shown name runs the served model
+    # Two paths of one name, or a name that is another model's: shown whole, never confused.
+    assert model_choices(["/a/llama", "/b/llama", "/c/sql", "sql", "org/hub-model"]) == {
+        "/a/llama": "/a/llama", "/b/llama": "/b/llama", "/c/sql": "/c/sql", "sql": "sql",
+        "org/hub-model": "org/hub-model"}

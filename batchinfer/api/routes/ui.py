@@ -46,7 +46,14 @@ from batchinfer.api.ui.auth import (
     sign_out,
 )
 from batchinfer.api.ui.templating import STATIC_DIR, render
-from batchinfer.api.ui.views import batch_view, find_job, jobs_view, timeline_view, workers_view
+from batchinfer.api.ui.views import (
+    batch_view,
+    find_job,
+    jobs_view,
+    timeline_view,
+    upload_models,
+    workers_view,
+)
 from batchinfer.store.apikeys import authenticate, is_admin_key
 from batchinfer.store.errors import JobNotFound, JobStateError
 from batchinfer.store.export import export_results
@@ -126,16 +133,17 @@ def _visible_owner(session: Session, caller: Caller, owner: str) -> str | None:
 @router.get("")
 async def home(request: Request, caller: UiCallerDep) -> Response:
     """Upload a file, your jobs (every owner's in the admin view), the workers."""
-
-    def work(session: Session, owner: str) -> tuple[str, bool, list, list]:
-        admin = is_admin(session, caller)
-        return owner, admin, jobs_view(session, owner=None if admin else owner), workers_view(session)
-
-    owner, admin, jobs, workers = await read_as_ui(caller, work)
     default_model = caller.settings.default_model
-    models = sorted({worker["model"] for worker in workers} | {default_model})
+
+    def work(session: Session, owner: str) -> tuple[str, bool, list, list, dict[str, str]]:
+        admin = is_admin(session, caller)
+        return (owner, admin, jobs_view(session, owner=None if admin else owner), workers_view(session),
+                upload_models(session, default_model=default_model))
+
+    owner, admin, jobs, workers, models = await read_as_ui(caller, work)
+    shown = next(name for name, model in models.items() if model == default_model)  # a path by its name
     return render(request, "home.html", {"owner": owner, "admin": admin, "jobs": jobs, "workers": workers,
-                                         "default_model": default_model, "models": models})
+                                         "default_model": shown, "models": list(models)})
 
 
 @router.get("/jobs")
@@ -161,14 +169,15 @@ async def workers_fragment(request: Request, caller: UiCallerDep) -> Response:
 async def upload(request: Request, caller: UiCallerDep, settings: SettingsDep,
                  sessions: SessionsDep) -> Response:
     """Upload a JSONL file and create a batch from it (POST /v1/files + POST /v1/batches), then open it."""
-    owner = await read_as_ui(caller, lambda _, o: o)
+    owner, models = await read_as_ui(
+        caller, lambda s, o: (o, upload_models(s, default_model=settings.default_model)))
     try:
         async with upload_slot(request.app, owner, settings):  # the same bounds as POST /v1/files
             received = await receive_owner_upload(request, owner, settings, sessions)
             row = await store_upload(sessions, owner, received, settings)
         body = CreateBatchRequest(input_file_id=row.file_id, endpoint=None,
                                   completion_window=received.fields.get("completion_window") or "24h",
-                                  model=received.fields.get("model", "").strip() or None)
+                                  model=_chosen_model(received.fields.get("model", ""), models))
         batch = await create_batch(body=body, request=request, owner=owner, settings=settings,
                                    factory=sessions)
     except APIError as exc:
@@ -180,6 +189,12 @@ async def upload(request: Request, caller: UiCallerDep, settings: SettingsDep,
         message = f"Invalid {field}: {error['msg']}."
         return render(request, "_message.html", {"tone": "bad", "message": message}, status_code=400)
     return go_to(request, f"{UI_PATH}/batches/{batch['id']}")
+
+
+def _chosen_model(typed: str, models: dict[str, str]) -> str | None:
+    """The model the form names: a served model's shown name (a path's directory name) is that model."""
+    typed = typed.strip()
+    return models.get(typed, typed) or None
 
 
 # --- one job ---------------------------------------------------------------------------------------

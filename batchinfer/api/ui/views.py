@@ -7,6 +7,8 @@ throughput and ETA), a worker row is what the worker reported in its heartbeat (
 from __future__ import annotations
 
 import itertools
+from collections import Counter
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -139,6 +141,24 @@ def timeline_view(session: Session, job: Job) -> dict[str, Any]:
     # Microseconds: a running job's last bucket can be a few ms wide, and rate x width must give its tokens.
     return {"at": [round(t, 6) for t in at], "tokens_per_second": rates,
             "final": job.status in JOB_TERMINAL_STATUSES}
+
+
+def model_choices(models: Iterable[str]) -> dict[str, str]:
+    """The upload form's models, {name shown: model}: a local path by its directory's name (model_label, as
+    the tables show it), unless another model shares that name; a hub id, alias or adapter as it is."""
+    names = set(models)
+    labels = Counter(model_label(model) for model in names)
+    choices = {}
+    for model in sorted(names):
+        label = model_label(model)
+        readable = labels[label] == 1 and (label == model or label not in names)
+        choices[label if readable else model] = model
+    return choices
+
+
+def upload_models(session: Session, *, default_model: str) -> dict[str, str]:
+    """model_choices of what live workers serve (adapters included) and the default model."""
+    return model_choices([*served_models(session), default_model])
 
 
 def workers_view(session: Session, *, now: datetime | None = None) -> list[dict[str, Any]]:
