@@ -105,6 +105,13 @@ def test_missing_files(make_llm, tiny_llama, copy_adapter, tmp_path) -> None:
     assert "is not a directory" in _load_error(make_llm, tiny_llama, tmp_path / "nowhere")
 
 
+def test_a_damaged_weights_file_is_a_load_error(make_llm, tiny_llama, copy_adapter) -> None:
+    adapter = copy_adapter()
+    weights = adapter / ADAPTER_WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:100])  # a partial copy: safetensors' own error is no ValueError
+    assert f"{ADAPTER_WEIGHTS}: cannot be read as safetensors" in _load_error(make_llm, tiny_llama, adapter)
+
+
 def test_lora_error_carries_its_field(tiny_llama, copy_adapter) -> None:
     from transformers import AutoConfig
 

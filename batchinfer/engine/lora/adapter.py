@@ -202,6 +202,7 @@ def load_adapter(
 
     tp_rank / tp_size: the share of one tensor-parallel rank (module docstring); shapes are checked whole.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -211,7 +212,11 @@ def load_adapter(
         hint = " (adapter_model.bin found: re-save it with safe_serialization=True)" \
             if (path / "adapter_model.bin").is_file() else ""
         raise LoRAError("lora_path", f"{weights_file} is missing{hint}")
-    tensors = load_file(str(weights_file))
+    try:
+        tensors = load_file(str(weights_file))
+    except SafetensorError as exc:  # not a ValueError: it would escape as a traceback, not a line error
+        raise LoRAError(ADAPTER_WEIGHTS, f"cannot be read as safetensors ({exc}): a damaged or partial "
+                        "copy? copy the adapter again") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in tensors.items():
         match = _TENSOR_NAME.match(tensor_name)
