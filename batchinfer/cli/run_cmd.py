@@ -27,6 +27,7 @@ from batchinfer.cli.lora_options import check_adapters, lora_options, with_lora_
 from batchinfer.cli.output import EXIT_FAILED, dumps, fail, input_file, json_option
 from batchinfer.cli.progress import JobProgress
 from batchinfer.cli.result_files import default_errors_path, write_error_lines, write_lines
+from batchinfer.engine.quantization import QUANTIZATIONS
 
 logger = logging.getLogger("batchinfer.cli")
 
@@ -51,7 +52,7 @@ logger = logging.getLogger("batchinfer.cli")
               help="Ranks each layer is split across (default: settings.tensor_parallel_size).")
 @click.option("--pipeline-parallel-size", "-pp", type=click.IntRange(min=1), default=None,
               help="Stages of layers (default: settings.pipeline_parallel_size).")
-@click.option("--quantization", type=click.Choice(["int8", "gguf"]), default=None,
+@click.option("--quantization", type=click.Choice(list(QUANTIZATIONS)), default=None,
               help="int8 or gguf weights on CPU (default: settings.quantization).")
 @click.option("--served-model-name", multiple=True, metavar="NAME",
               help="Another name of the model: lines whose body.model is NAME run on it (repeatable).")

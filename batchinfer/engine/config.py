@@ -5,10 +5,16 @@ Import-light: torch is imported only inside the helpers that resolve "auto" valu
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
+
+from batchinfer.engine.cpu_features import cpu_has_native_bf16  # tests import it from here too
+
+# EngineConfig.quantization values besides None: int8 weights (fbgemm), or a GGUF model's own Q4_0 / Q4_1 /
+# Q8_0 blocks; each format's loader, packer and kernel live in engine/quantization.py
+from batchinfer.engine.quantization import QUANTIZATIONS as QUANTIZATIONS  # re-exported: settings, CLI
+from batchinfer.engine.quantization import quantization_format, splitting_formats
 
 if TYPE_CHECKING:
     import torch
@@ -17,9 +23,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's other spellings of a dtype (its --dtype choices); anything else is refused with the valid list.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# EngineConfig.quantization values besides None (layers/weight_packing.py): int8 weights (fbgemm), or a
-# GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks (layers/gguf_weights.py)
-QUANTIZATIONS = ("int8", "gguf")
 EXECUTOR_BACKENDS = ("mp", "ray")  # how the ranks of a parallel engine start: local processes, Ray actors
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -119,17 +122,15 @@ class EngineConfig:
             )
         self.dtype = canonical_dtype(self.dtype)
         check_device(self.device)
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization: must be None or one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}"
-            )
-        if self.quantization is not None and self.device.startswith("cuda"):
+        quantization = quantization_format(self.quantization)
+        if quantization.name is not None and self.device.startswith("cuda"):
             raise ValueError(
                 f"quantization={self.quantization!r} runs on CPU only; got device {self.device!r}"
             )
-        if self.quantization == "gguf" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ValueError("quantization='gguf' runs with tensor_parallel_size=1 and "
-                             "pipeline_parallel_size=1 only; use quantization='int8' or none to split it")
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        if not quantization.splits_across_ranks and ranks > 1:
+            raise ValueError(f"quantization={quantization.name!r} runs with tensor_parallel_size=1 and "
+                             f"pipeline_parallel_size=1 only; use {splitting_formats()} to split it")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}; "
@@ -189,30 +190,6 @@ class EngineConfig:
             native = self.resolved_device().startswith("cuda") or cpu_has_native_bf16()
             return torch.bfloat16 if native else torch.float32
         return getattr(torch, self.dtype)
-
-
-NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bf16 dot products
-VNNI_CPU_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products summed into int32, no overflow
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """This CPU's /proc/cpuinfo flags (empty where there is none: not Linux)."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            return frozenset(next((line for line in handle if line.startswith("flags")), "").split())
-    except OSError:
-        return frozenset()
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when this CPU computes bf16 dot products natively (a flag of NATIVE_BF16_CPU_FLAGS)."""
-    return any(flag in cpu_flags() for flag in NATIVE_BF16_CPU_FLAGS)
-
-
-def cpu_has_vnni() -> bool:
-    """True when int8 dot products sum straight into int32 here (VNNI); AVX2's int16 pair sums saturate."""
-    return any(flag in cpu_flags() for flag in VNNI_CPU_FLAGS)
 
 
 def _require_int(name: str, value: object, *, minimum: int | None) -> None:

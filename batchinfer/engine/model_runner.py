@@ -34,9 +34,9 @@ from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.attention_plan import build_torch_plan
 from batchinfer.engine.layers.context import AttentionContext, set_context
-from batchinfer.engine.layers.weight_packing import pack_weights
-from batchinfer.engine.loader import load_weights, required_gguf_source
+from batchinfer.engine.loader import load_weights
 from batchinfer.engine.models import get_model_class
+from batchinfer.engine.quantization import pack_weights, quantization_format
 from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.model_path = model.path
         # quantization="gguf" runs the file's own blocks: checked before any weight is loaded
-        self.gguf_path = required_gguf_source(config.model) if config.quantization == "gguf" else None
+        self.gguf_path = quantization_format(config.quantization).weight_source(config.model)
         self.hf_config = model.hf_config
         self.max_model_len = model.max_model_len
         self.block_size = config.block_size

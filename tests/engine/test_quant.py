@@ -13,7 +13,8 @@ from batchinfer.config import Settings
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.layers import int8_smoothing
 from batchinfer.engine.layers.context import AttentionContext, set_context
-from batchinfer.engine.layers.weight_packing import int8_linear, pack_for_cpu
+from batchinfer.engine.layers.weight_packing import int8_linear
+from batchinfer.engine.quantization import quantization_format
 from tests.engine.test_models import FakeSeq, ScatteredBlocks, make_runner, random_tokens, run_step
 
 needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
@@ -169,7 +170,7 @@ def test_smoothing_brings_int8_closer_to_float_with_outlier_channels(tiny_llama:
     int8_smoothing.smooth_for_int8(smoothed, int8_smoothing.calibration_token_ids(tiny_llama, 128))
     kls = []
     for quantized in (plain, smoothed):
-        pack_for_cpu(quantized, "int8")
+        quantization_format("int8").pack_linears(quantized)
         low = torch.log_softmax(_dense_logits(quantized, ids), dim=-1)
         kls.append(float((reference.exp() * (reference - low)).sum(dim=-1).mean()))
     plain_kl, smoothed_kl = kls

@@ -63,7 +63,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
-        # Set after loading by weight_packing.pack_for_cpu (a oneDNN / int8 copy of the output matrix).
+        # Set after loading by weight_packing.pack_linears (a oneDNN / int8 copy of the output matrix).
         self.packed: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:

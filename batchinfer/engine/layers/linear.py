@@ -62,7 +62,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        # Set after loading by weight_packing.pack_for_cpu (oneDNN / int8 kernel, bias included).
+        # Set after loading by weight_packing.pack_linears (oneDNN / int8 kernel, bias included).
         self.packed: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def effective_bias(self) -> torch.Tensor | None:

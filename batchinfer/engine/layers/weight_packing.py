@@ -13,9 +13,9 @@ channels, is quantized per token (each row scaled to max 1 around the per-tensor
 without VNNI that takes bench/quality.py's fixed-text mean log-prob from 32% off fp32 to 2.3%. The LM head
 is int8 too (about 1% of that delta).
 
-pack_for_cpu(model, quantization) sets each LinearBase / ParallelLMHead's `packed` callable (x -> y with
-its bias); the modules fall back to F.linear when it is None (CUDA, float16, bf16 on a CPU without AVX-512,
-BATCHINFER_CPU_LINEAR=aten).
+pack_linears(model, kernels) sets each LinearBase / ParallelLMHead's `packed` callable (x -> y with its
+bias), the kernel the weight format chooses (engine/quantization.py: dense, int8, gguf); the modules fall
+back to F.linear when it is None (CUDA, float16, bf16 on a CPU without AVX-512, BATCHINFER_CPU_LINEAR=aten).
 The dense weight of a packed linear is released (the LM head's stays: it may be the tied embedding).
 """
 
@@ -24,12 +24,12 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
-from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from batchinfer.engine.config import QUANTIZATIONS, cpu_has_vnni
+from batchinfer.engine.cpu_features import cpu_has_vnni
 from batchinfer.engine.layers.cpu_attention import fused_ops_for
 
 CPU_LINEAR_ENV = "BATCHINFER_CPU_LINEAR"  # "onednn" (default) or "aten" (plain F.linear, for A/B runs)
@@ -105,69 +105,25 @@ def cpu_linear_mode() -> str:
     return mode
 
 
-def check_quantization(quantization: str | None, device: torch.device) -> None:
-    """A clear error for a quantization this engine cannot run on this device."""
-    if quantization is None:
-        return
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(
-            f"quantization: must be None or one of {', '.join(QUANTIZATIONS)}; got {quantization!r}"
-        )
-    if device.type != "cpu":
-        raise ValueError(f"quantization={quantization!r} runs on CPU only; got device {device}")
-    if quantization == "gguf":
-        from batchinfer.engine.layers.gguf_weights import gguf_kernel
+class LinearKernels(Protocol):
+    """What pack_linears asks a weight format (engine/quantization.py) for each linear."""
 
-        gguf_kernel()
-    elif "fbgemm" not in torch.backends.quantized.supported_engines:
-        raise ValueError(f"quantization={quantization!r} needs torch's fbgemm engine, absent from this build")
+    def per_token_layers(self, model: nn.Module) -> set[nn.Module]: ...
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
+               per_token: bool) -> LinearFn | None: ...
 
 
-def pack_weights(
-    model: nn.Module,
-    device: torch.device,
-    quantization: str | None = None,
-    model_path: str | Path | None = None,
-    max_model_len: int | None = None,
-    gguf_path: str | Path | None = None,
-) -> int:
-    """Give every linear layer and the LM head its CPU kernel (nothing on CUDA); returns how many.
-
-    int8 given model_path (whose tokenizer reads the calibration text) and max_model_len first folds
-    activation smoothing into the weights when the whole model is on this rank (int8_smoothing); otherwise
-    it is plain int8. gguf runs the Q4_0 / Q4_1 / Q8_0 tensors of gguf_path on their own blocks
-    (gguf_weights) and the rest densely.
-    """
-    check_quantization(quantization, device)
-    if device.type != "cpu":
-        return 0
-    if quantization == "gguf":
-        from batchinfer.engine.layers.gguf_weights import pack_gguf_blocks
-
-        if gguf_path is None:
-            raise ValueError("quantization='gguf' runs a GGUF file's own 4-bit blocks: load a .gguf model")
-        block_modules, _ = pack_gguf_blocks(model, gguf_path)
-        return pack_for_cpu(model, None, already_packed=block_modules)
-    if quantization == "int8" and model_path is not None and max_model_len is not None:
-        from batchinfer.engine.layers import int8_smoothing
-
-        if int8_smoothing.smoothing_applies(model):
-            calibration = int8_smoothing.calibration_token_ids(model_path, max_model_len)
-            int8_smoothing.smooth_for_int8(model, calibration)
-    return pack_for_cpu(model, quantization)
-
-
-def pack_for_cpu(model: nn.Module, quantization: str | None = None,
+def pack_linears(model: nn.Module, kernels: LinearKernels,
                  already_packed: set[nn.Module] | frozenset[nn.Module] = frozenset()) -> int:
-    """Give every linear layer and the LM head its CPU kernel; returns how many modules were packed.
+    """Give every linear layer and the LM head the format's CPU kernel; returns how many were packed.
 
     Modules in already_packed have their kernel (gguf's blocks); only their dense weight is released.
     """
     from batchinfer.engine.layers.embed_head import ParallelLMHead
-    from batchinfer.engine.layers.int8_smoothing import per_token_input_layers
     from batchinfer.engine.layers.linear import LinearBase
 
-    per_token = per_token_input_layers(model) if quantization == "int8" else set()
+    per_token = kernels.per_token_layers(model)
     count = 0
     for module in model.modules():
         if not isinstance(module, LinearBase | ParallelLMHead):
@@ -178,10 +134,8 @@ def pack_for_cpu(model: nn.Module, quantization: str | None = None,
         bias = module.effective_bias() if isinstance(module, LinearBase) else None
         if module in already_packed:
             pass  # its kernel is set; release its dense weight below
-        elif quantization == "int8":
-            module.packed = int8_linear(weight, bias, per_token=module in per_token)
-        elif onednn_supports(weight.dtype) and cpu_linear_mode() == "onednn":
-            module.packed = onednn_linear(weight, bias)
+        elif (kernel := kernels.linear(weight, bias, per_token=module in per_token)) is not None:
+            module.packed = kernel
         else:
             continue
         if isinstance(module, LinearBase):  # the head's weight may be the embedding table: keep it

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.quantization import quantization_format
 from batchinfer.engine.resolved_model import resolve_model
 from batchinfer.engine.sampler import Sampler, argmax_rows
 from batchinfer.engine.spec_decode.config import SpeculativeConfig
@@ -46,14 +47,11 @@ class DraftModelProposer:
 
     def __init__(self, spec: SpeculativeConfig, target_config: EngineConfig, *, num_kv_blocks: int,
                  vocab_size: int, max_model_len: int) -> None:
-        from batchinfer.engine.loader import gguf_source
         from batchinfer.engine.model_runner import ModelRunner
 
         assert spec.model is not None
         # A GGUF target's block format applies to a GGUF draft only; another draft runs in the target's dtype.
-        quantization = target_config.quantization
-        if quantization == "gguf" and gguf_source(spec.model) is None:
-            quantization = None
+        quantization = quantization_format(target_config.quantization).draft_quantization(spec.model)
         config = dataclasses.replace(
             target_config, model=spec.model, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
             tensor_parallel_size=1, speculative_config=None, quantization=quantization,
