@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("batchinfer.workers")
 
 ENGINE_NAME = "batchinfer"
+# The LRU bound is enforced (a SUM over the bodies) after this many seconds or 1/100 of the bound written.
+EVICT_INTERVAL_S = 10.0
 FINGERPRINT_CHUNK = 1 << 20
 # Fields of a result row that belong to one request, not to its body.
 ROW_OWN_FIELDS = ("request_id", "provenance", "result_key")
@@ -187,6 +190,8 @@ class ResultCache:
         self._keys: dict[str, str | None] = {}  # engine id -> key, for every request planned and running
         self._to_store: dict[tuple[int, bool], dict[str, dict[str, Any]]] = defaultdict(dict)
         self.hits = self.dedups = 0
+        self._unchecked_bytes = 0  # written since the bound was last enforced
+        self._evict_after = 0.0  # monotonic time the bound is enforced at the latest
 
     def identity(self, lease: ShardLease) -> ModelIdentity:
         if lease.model not in self._identities:
@@ -301,12 +306,16 @@ class ResultCache:
     def store(self) -> None:
         """Write the bodies computed since the last call (a body is correct whatever became of its shard)."""
         pending, self._to_store = self._to_store, defaultdict(dict)
+        bound = self.settings.result_cache_max_bytes
         for (job_id, replace), rows in pending.items():
             if not rows:
                 continue
             with self.sessions() as session:
-                cache_store.store_bodies(session, rows=rows, computed_in=job_id, replace=replace,
-                                         max_bytes=self.settings.result_cache_max_bytes)
+                self._unchecked_bytes += cache_store.store_bodies(
+                    session, rows=rows, computed_in=job_id, replace=replace, max_bytes=bound, evict_now=False)
+                if time.monotonic() >= self._evict_after or self._unchecked_bytes >= bound / 100:
+                    cache_store.evict(session, max_bytes=bound)
+                    self._unchecked_bytes, self._evict_after = 0, time.monotonic() + EVICT_INTERVAL_S
 
     def _pop_primary(self, engine_id: str) -> _Primary | None:
         job_key = self._by_engine_id.pop(engine_id, None)

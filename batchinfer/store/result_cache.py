@@ -80,10 +80,10 @@ def lookup(session: Session, *, keys: Collection[str], now: datetime | None = No
 
 
 def store_bodies(session: Session, *, rows: dict[str, dict[str, Any]], computed_in: int, replace: bool,
-                 max_bytes: int, now: datetime | None = None) -> int:
+                 max_bytes: int, evict_now: bool = True, now: datetime | None = None) -> int:
     """Insert the result rows of `rows` (key -> row) computed by job `computed_in`; a key already present
-    keeps its first body unless `replace` (a `refresh` job). Then evict beyond `max_bytes`. Returns how
-    many bodies were written."""
+    keeps its first body unless `replace` (a `refresh` job). Then (`evict_now`) evict beyond `max_bytes`.
+    Returns the bytes of the bodies offered (kept or already there)."""
     if not rows or max_bytes <= 0:
         return 0
     now = now or utcnow()
@@ -106,8 +106,9 @@ def store_bodies(session: Session, *, rows: dict[str, dict[str, Any]], computed_
         statement = statement.on_conflict_do_nothing(index_elements=["key"])
     with write_transaction(session):
         session.execute(statement, values)
-    evict(session, max_bytes=max_bytes)
-    return len(values)
+    if evict_now:
+        evict(session, max_bytes=max_bytes)
+    return sum(value["size"] for value in values)
 
 
 def evict(session: Session, *, max_bytes: int) -> int:

@@ -1,5 +1,6 @@
-"""Dedup within a job under kill -9 (issue 31): a duplicate-heavy job on two polling `batchinfer worker`s,
-one killed mid-job; the other finishes it, every custom_id exactly once, identical lines equal."""
+"""Dedup within a job across shards of two workers, under kill -9 (issue 31): a duplicate-heavy job on two
+polling `batchinfer worker` processes (SQLite and PostgreSQL), one killed mid-job; the other finishes it,
+every custom_id exactly once, identical lines equal."""
 
 from __future__ import annotations
 
@@ -10,25 +11,34 @@ from pathlib import Path
 import orjson
 import pytest
 
+from batchinfer.store.db import get_engine, upgrade
 from tests.acceptance.topology import Topology, custom_ids
 
 pytestmark = pytest.mark.acceptance
 
 
-def test_kill_9_mid_fan_out_keeps_every_custom_id_exactly_once(tiny_llama: Path, tmp_path: Path) -> None:
-    topology = Topology(tmp_path, database_url=f"sqlite:///{tmp_path / 'batchinfer.db'}", model=tiny_llama)
+@pytest.mark.parametrize("database", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_kill_9_mid_fan_out_keeps_every_custom_id_exactly_once(
+        database: str, tiny_llama: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    url = f"sqlite:///{tmp_path / 'batchinfer.db'}"
+    if database == "postgres":
+        url = request.getfixturevalue("pg_url")
+        upgrade(url)
+    topology = Topology(tmp_path, database_url=url, model=tiny_llama)
     try:
         topology.start_api()
         workers = topology.workers_exactly(2)
         path = tmp_path / "dups.jsonl"
         ids = [f"dup-{i:03d}" for i in range(64)]
-        with path.open("wb") as out:  # 8 distinct greedy prompts x 8 custom_ids, twins in every shard
+        with path.open("wb") as out:  # 32 distinct greedy prompts x 2 custom_ids, twins 8 shards apart
             for i, custom_id in enumerate(ids):
-                body = {"messages": [{"role": "user", "content": f"the cat reads the prompt number {i % 8}"}],
-                        "max_tokens": 96, "ignore_eos": True, "temperature": 0}
+                prompt = f"the cat reads the prompt number {i % 32}"
+                body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 192,
+                        "ignore_eos": True, "temperature": 0}
                 out.write(orjson.dumps({"custom_id": custom_id, "method": "POST",
                                         "url": "/v1/chat/completions", "body": body}) + b"\n")
         batch_id = topology.cli_json("submit", str(path))[0]["id"]
+        topology.wait_done(batch_id, 4)
         victim = topology.holder_of_a_shard(workers)
         topology.kill(victim)
         killed_at = time.monotonic()
@@ -42,9 +52,10 @@ def test_kill_9_mid_fan_out_keeps_every_custom_id_exactly_once(tiny_llama: Path,
         assert sources["dedup"] > 0 and sources["miss"] + sources["dedup"] == 64
         by_prompt: dict[int, set[bytes]] = {}
         for line in output:
-            prompt = int(line["custom_id"].split("-")[1]) % 8
+            prompt = int(line["custom_id"].split("-")[1]) % 32
             by_prompt.setdefault(prompt, set()).add(orjson.dumps(line["response"]["body"]["choices"]))
         assert all(len(bodies) == 1 for bodies in by_prompt.values())  # twins equal, whoever computed them
     finally:
         topology.stop()
         topology.rest.close()
+        get_engine(url).dispose()  # let pg_url drop its database

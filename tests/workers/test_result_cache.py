@@ -7,7 +7,6 @@ recomputed; provenance names where each body came from.
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -157,44 +156,6 @@ def test_dedup_within_a_job_sqlite(sqlite_url: str, tiny_llama: Path, tmp_path: 
 @pytest.mark.postgres
 def test_dedup_within_a_job_postgres(pg_url: str, tiny_llama: Path, tmp_path: Path) -> None:
     _dedup(pg_url, tiny_llama, tmp_path)
-
-
-@pytest.mark.postgres
-def test_dedup_across_shards_with_two_workers(pg_url: str, tiny_llama: Path, tmp_path: Path) -> None:
-    """Two runners (two engines) work one job of twins at once: every custom_id exactly once, twins equal."""
-    nights = Nights(pg_url, tiny_llama, tmp_path)
-    other = make_runner(model=str(tiny_llama), settings=nights.settings, max_num_seqs=16, device="cpu")
-    other.worker_id += ":second"
-    prompts = [f"question {i % 5} about dogs" for i in range(60)]
-    path = tmp_path / "dups.jsonl"
-    _write(path, prompts)
-    with nights.sessions() as session:
-        job = submit_job(session, settings=nights.settings, path=path, model=nights.runner.model, owner="t",
-                         shard_size=5)
-    results = {}
-    threads = [threading.Thread(target=lambda r=r: results.setdefault(r.worker_id, run_job(job_id=job.id,
-                                                                                            runner=r)))
-               for r in (nights.runner, other)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-        assert not thread.is_alive()
-    with nights.sessions() as session:
-        job = get_job(session, job_id=job.id)
-        lines = [orjson.loads(line) for line in export_results(session, job_id=job.id)]
-    assert job.status == "completed"
-    assert [line["custom_id"] for line in lines] == [f"line-{i:04d}" for i in range(60)]  # exactly once
-    computed = sum(stats.requests_finished for stats in results.values())
-    assert computed < 60  # twins were copied, not all computed
-    sources = Counter(line["provenance"]["result_cache"] for line in lines)
-    assert sources["miss"] == computed and sources["dedup"] == 60 - computed
-    choices: dict[tuple[str, int], set[bytes]] = {}
-    for i, line in enumerate(lines):
-        key = (prompts[i], i % 2)
-        if i % 2 == 0:  # greedy twins share one key; seeded ones differ by seed (7 + i)
-            choices.setdefault(key, set()).add(orjson.dumps(line["response"]["body"]["choices"]))
-    assert all(len(bodies) == 1 for bodies in choices.values())
 
 
 def test_refresh_recomputes_and_replaces(sqlite_url: str, tiny_llama: Path, tmp_path: Path) -> None:
