@@ -14,7 +14,7 @@ attention layers read from the per-step context:
 
 CPU runs the torch attention path and never touches CUDA. CUDA runs the Triton kernels, sizes the KV cache
 from gpu_memory_utilization after a profiling forward at max_num_batched_tokens, and replays CUDA graphs
-captured at start for decode-only steps (batch sizes 1, 2, 4, 8, ... up to max_num_seqs).
+captured at start for decode-only steps (batch sizes 1, 2, 4, 8, ... up to max_num_seqs; cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.cuda_graphs import DecodeGraphs
 from batchinfer.engine.distributed import all_reduce_min_int
 from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.attention import Attention
@@ -128,7 +129,9 @@ class ModelRunner:
             2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * self.head_dim
             * self.dtype.itemsize
         )
-        self._graphs: dict[int, Any] = {}  # decode batch size -> captured CUDA graph
+        self.decode_graphs = DecodeGraphs(max_num_seqs=config.max_num_seqs,
+                                          max_blocks_per_seq=self.max_blocks_per_seq,
+                                          max_model_len=self.max_model_len)  # captured below on CUDA
         if config.num_kv_blocks is not None:
             self.num_kv_blocks = config.num_kv_blocks
         elif self.device.type == "cuda":
@@ -144,7 +147,8 @@ class ModelRunner:
             )
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
-            self._capture_cudagraphs()
+            self.decode_graphs.capture(self.model, hidden_size=self.hf_config.hidden_size, dtype=self.dtype,
+                                       device=self.device)
 
     def _build_model(self) -> torch.nn.Module:
         """The model with its weights loaded, on this runner's device and dtype (a stage overrides it)."""
@@ -298,9 +302,11 @@ class ModelRunner:
         if not scheduled:
             return torch.empty(0, self.hf_config.vocab_size, dtype=torch.float32, device=self.device)
         batch = self._prepare(scheduled, logits_counts)
-        graph_size = self._graph_size(batch)
+        graph_size = self.decode_graphs.size_for(batch.context, num_seqs=batch.num_seqs,
+                                                 decode_only=batch.is_decode_only)
         if graph_size is not None:
-            hidden = self._replay_graph(batch, graph_size)
+            hidden = self.decode_graphs.replay(batch.input_ids, batch.positions, batch.context,
+                                               num_seqs=batch.num_seqs, size=graph_size)
         else:
             set_context(batch.context)
             try:
@@ -328,79 +334,6 @@ class ModelRunner:
             pooled = hidden.float().mean(dim=0)
             out.append(torch.nn.functional.normalize(pooled, dim=0).tolist())
         return out
-
-    # --- CUDA graphs ----------------------------------------------------------------------------------
-
-    def _graph_sizes(self) -> list[int]:
-        sizes, size = [], 1
-        while size < self.config.max_num_seqs:
-            sizes.append(size)
-            size *= 2
-        sizes.append(self.config.max_num_seqs)
-        return sizes
-
-    def _graph_size(self, batch: _StepBatch) -> int | None:
-        if not self._graphs or not batch.is_decode_only or batch.context.lora is not None:
-            return None  # the graphs are captured without adapters
-        if batch.context.block_tables.shape[1] > self.max_blocks_per_seq:
-            return None
-        for size in sorted(self._graphs):
-            if size >= batch.num_seqs:
-                return size
-        return None
-
-    @torch.inference_mode()
-    def _capture_cudagraphs(self) -> None:
-        """Capture decode steps (one token per sequence) per ladder batch size, sharing one memory pool."""
-        max_bs = self.config.max_num_seqs
-        hidden_size = self.hf_config.hidden_size
-        device = self.device
-        self._static = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=device),
-            "positions": torch.zeros(max_bs, dtype=torch.long, device=device),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=device),
-            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=device),
-            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=device),
-            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=device),
-            "hidden": torch.zeros(max_bs, hidden_size, dtype=self.dtype, device=device),
-        }
-        s = self._static
-        pool = None
-        for size in reversed(self._graph_sizes()):
-            context = AttentionContext(
-                slot_mapping=s["slot_mapping"][:size],
-                cu_seqlens_q=s["cu_seqlens_q"][: size + 1],
-                seq_lens=s["seq_lens"][:size],
-                block_tables=s["block_tables"][:size],
-                max_seqlen_q=1,
-                max_seqlen_k=self.max_model_len,  # the launch config must hold for any decode length
-                backend="triton",
-            )
-            set_context(context)
-            try:
-                s["hidden"][:size] = self.model(s["input_ids"][:size], s["positions"][:size])  # warm-up
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    s["hidden"][:size] = self.model(s["input_ids"][:size], s["positions"][:size])
-            finally:
-                set_context(None)
-            pool = graph.pool() if pool is None else pool
-            self._graphs[size] = graph
-            torch.cuda.synchronize(device)
-
-    def _replay_graph(self, batch: _StepBatch, size: int) -> torch.Tensor:
-        s, n, ctx = self._static, batch.num_seqs, batch.context
-        s["input_ids"][:n] = batch.input_ids
-        s["positions"][:n] = batch.positions
-        s["slot_mapping"][:n] = ctx.slot_mapping
-        s["slot_mapping"][n:size] = -1  # padding rows write nothing
-        s["seq_lens"][:n] = ctx.seq_lens
-        s["seq_lens"][n:size] = 1  # padding rows attend to slot 0 of block 0: finite, discarded
-        width = ctx.block_tables.shape[1]
-        s["block_tables"][:n, :width] = ctx.block_tables
-        s["block_tables"][n:size] = 0
-        self._graphs[size].replay()
-        return s["hidden"][:n]
 
 
 def _last_positions(last: torch.Tensor, counts: Sequence[int], q_lens: list[int]) -> torch.Tensor:

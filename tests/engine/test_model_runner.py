@@ -191,7 +191,8 @@ def test_cuda_graphs_and_eager_match_the_cpu_path(tiny_llama: Path) -> None:
     """On CUDA: KV cache sized by profiling, decode steps replayed from CUDA graphs equal eager and CPU."""
     common = {"model": str(tiny_llama), "block_size": 4, "dtype": "float32", "max_num_seqs": 8}
     graphs = ModelRunner(EngineConfig(device="cuda", gpu_memory_utilization=0.5, **common))
-    assert graphs.num_kv_blocks > 64 and graphs.attention_backend == "triton" and graphs._graphs
+    assert graphs.num_kv_blocks > 64 and graphs.attention_backend == "triton" \
+        and graphs.decode_graphs.graphs
     eager = ModelRunner(EngineConfig(device="cuda", num_kv_blocks=64, enforce_eager=True, **common))
     cpu = ModelRunner(EngineConfig(device="cpu", num_kv_blocks=64, **common))
     results = []
