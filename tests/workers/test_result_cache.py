@@ -220,3 +220,22 @@ def test_global_scope_shares_results(sqlite_url: str, tiny_llama: Path, tmp_path
     _, stats, lines = nights.run(path, owner="bob")
     assert stats.requests_finished == 0
     assert {line["provenance"]["result_cache"] for line in lines} == {"hit"}
+
+
+def test_purged_bodies_are_recomputed(sqlite_url: str, tiny_llama: Path, tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    from batchinfer.store.models import utcnow
+    from batchinfer.store.retention import purge
+
+    nights = Nights(sqlite_url, tiny_llama, tmp_path, finished_job_retention_seconds=3600)
+    path = tmp_path / "in.jsonl"
+    _write(path, [f"prompt {i}" for i in range(6)])
+    job1, _, first = nights.run(path)
+    with nights.sessions() as session:  # two hours on: night 1's job and its unused bodies go
+        report = purge(session, settings=nights.settings, now=utcnow() + timedelta(hours=2))
+        assert report.jobs == [job1.id] and report.result_bodies == 6
+    _, stats, lines = nights.run(path)
+    assert stats.requests_finished == 6  # nothing left to serve: computed again, the job complete
+    assert [line["response"]["body"]["choices"] for line in lines] == [
+        line["response"]["body"]["choices"] for line in first]
