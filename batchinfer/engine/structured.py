@@ -109,6 +109,11 @@ class GrammarBackend:
         self.compile_timeout_s = compile_timeout_s
         self._lock = threading.Lock()
         self._inflight: dict[str, Future[Any]] = {}  # queued or compiling, by cache key
+        # Owners with a job queued for an in-flight key, and the in-flight futures whose compile began: an
+        # owner asking for a key another owner's queue holds gets its own job in its own turn (the first
+        # to start compiles), so a tenant cannot hold up a common constraint behind its backlog.
+        self._queued_for: dict[str, set[str]] = {}
+        self._started: set[Future[Any]] = set()
         self._compiled: LRUCache[str, Future[Any]] = LRUCache(  # done futures: compile() hands out one
             maxsize=cache_bytes, getsizeof=lambda done: _grammar_bytes(done.result()))
         self._failed: LRUCache[str, str] = LRUCache(maxsize=FAILED_CACHE_BYTES,
@@ -131,6 +136,7 @@ class GrammarBackend:
             for future in self._inflight.values():
                 future.cancel()
             self._inflight.clear()
+            self._queued_for.clear()
         if wait:
             self._pool.shutdown(timeout=self.compile_timeout_s)
 
@@ -143,12 +149,17 @@ class GrammarBackend:
     def compile(self, constraint: StructuredOutputsParams, *, owner: str | None = None) -> Future[Any]:
         """The compiled grammar of `constraint`, as a future: queued for `owner` unless cached or under way
         (a constraint that failed or timed out fails again at once)."""
-        key = constraint.cache_key
+        key, owner = constraint.cache_key, owner or ""
         with self._lock:
             future = self._compiled.get(key) or self._inflight.get(key)
             error = self._failed.get(key) if future is None else None
             if future is None and error is None:
                 future = self._inflight[key] = Future()
+                self._queued_for[key] = set()
+            queued_for = self._queued_for.get(key)
+            if future is not None and queued_for is not None and owner not in queued_for \
+                    and future not in self._started:
+                queued_for.add(owner)
                 with contextlib.suppress(RuntimeError):  # closed: the future stays pending, like a cancel
                     self._pool.submit(owner, self._run, _Job(key, constraint, future))
         if future is not None:
@@ -159,8 +170,10 @@ class GrammarBackend:
 
     def _run(self, job: _Job) -> None:
         """Compile one job on a pool thread, within the timeout (module docstring)."""
-        if job.future.done():  # cancelled by close()
-            return
+        with self._lock:
+            if job.future.done() or job.future in self._started:  # cancelled, or another owner's job began
+                return
+            self._started.add(job.future)
         timer = threading.Timer(self.compile_timeout_s, self._expire, (job,))
         timer.daemon = True
         timer.start()
@@ -170,8 +183,10 @@ class GrammarBackend:
             compiled, error = None, exc
         timer.cancel()
         with self._lock:
+            self._started.discard(job.future)
             if self._inflight.get(job.key) is job.future:
                 del self._inflight[job.key]
+                self._queued_for.pop(job.key, None)
             if not job.future.done():
                 if error is None:
                     job.future.set_result(compiled)
@@ -190,6 +205,7 @@ class GrammarBackend:
                 return
             if self._inflight.get(job.key) is job.future:
                 del self._inflight[job.key]
+                self._queued_for.pop(job.key, None)
             self._failed[job.key] = error
             job.future.set_exception(GrammarError(error))
         logger.warning("grammar %s: %s", job.key[:12], error)

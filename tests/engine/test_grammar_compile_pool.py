@@ -58,6 +58,21 @@ def test_one_owners_slow_grammars_do_not_hold_up_another_owners(make_backend) ->
     assert backend.num_compiled == 4
 
 
+def test_a_constraint_another_owner_queued_is_not_held_behind_that_owners_backlog(make_backend) -> None:
+    backend = make_backend(compile_workers=2)
+    common = StructuredOutputsParams(regex="[a-z]+")
+    slow = [backend.compile(_choices(2000, seed), owner="owner:a") for seed in range(3)]
+    queued_by_a = backend.compile(common, owner="owner:a")  # at the back of a's queue
+    quick = backend.compile(common, owner="owner:b")  # b's turn compiles it: one future for both
+    assert quick is queued_by_a
+    # Before: b's request shared a's queued job and waited for a's three slow grammars (~3 s).
+    done, _ = wait([quick, *slow], timeout=60, return_when=FIRST_COMPLETED)
+    assert quick in done and not any(f.done() for f in slow[1:])
+    for future in slow:
+        assert future.result(timeout=60) is not None
+    assert backend.num_compiled == 4  # a's own job for it found it compiled and did not compile again
+
+
 def test_a_compilation_past_its_time_errors_its_requests_and_is_not_retried(make_backend) -> None:
     backend = make_backend(compile_timeout_s=0.05)
     slow = _choices(3000, 7)
