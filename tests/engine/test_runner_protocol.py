@@ -55,26 +55,36 @@ def test_tp2_embeddings_run_on_every_rank_and_match_one_rank(tiny_llama: Path) -
     assert tp_world_size() == 1
 
 
-@pytest.mark.integration
-def test_tp2_worker_answers_an_embeddings_line_beside_chat_lines(sqlite_url: str, tiny_llama: Path,
-                                                                 tmp_path: Path) -> None:
+def _job_with_an_embeddings_line(sqlite_url: str, tmp_path: Path, tiny_llama: Path, *, chat_lines: int,
+                                 **parallel: int) -> tuple:
+    """(sessions, a submitted job of chat_lines chat lines and one embeddings line, a parallel runner)."""
     from batchinfer.store.db import session_factory, upgrade
-    from batchinfer.store.export import export_results
-    from batchinfer.store.jobs import get_job, submit_job
+    from batchinfer.store.jobs import submit_job
     from tests.workers.helpers import write_requests
-    from workers.process import make_runner, run_job
+    from workers.process import make_runner
 
     upgrade(sqlite_url)
     settings = Settings(database_url=sqlite_url, data_dir=tmp_path)
     embedding = orjson.dumps({"custom_id": "emb", "method": "POST", "url": "/v1/embeddings",
                               "body": {"input": TEXTS}})
     path = tmp_path / "in.jsonl"
-    write_requests(path, 3, extra_lines=[embedding])
+    write_requests(path, chat_lines, extra_lines=[embedding])
     sessions = session_factory(sqlite_url)
     with sessions() as session:
         job = submit_job(session, settings=settings, path=path, model=str(tiny_llama), owner="t")
-    runner = make_runner(model=str(tiny_llama), settings=settings, max_num_seqs=4, tensor_parallel_size=2,
-                         **CPU)
+    runner = make_runner(model=str(tiny_llama), settings=settings, max_num_seqs=4, **parallel, **CPU)
+    return sessions, job, runner
+
+
+@pytest.mark.integration
+def test_tp2_worker_answers_an_embeddings_line_beside_chat_lines(sqlite_url: str, tiny_llama: Path,
+                                                                 tmp_path: Path) -> None:
+    from batchinfer.store.export import export_results
+    from batchinfer.store.jobs import get_job
+    from workers.process import run_job
+
+    sessions, job, runner = _job_with_an_embeddings_line(sqlite_url, tmp_path, tiny_llama, chat_lines=3,
+                                                         tensor_parallel_size=2)
     done = threading.Event()
     try:
         worker = threading.Thread(target=lambda: (run_job(job_id=job.id, runner=runner), done.set()),
@@ -103,23 +113,12 @@ def test_pipeline_engine_refuses_embeddings_at_once(tiny_llama: Path) -> None:
 @pytest.mark.integration
 def test_pipeline_worker_errors_an_embeddings_line_and_runs_the_rest(sqlite_url: str, tiny_llama: Path,
                                                                      tmp_path: Path) -> None:
-    from batchinfer.store.db import session_factory, upgrade
     from batchinfer.store.export import export_results
-    from batchinfer.store.jobs import get_job, submit_job
-    from tests.workers.helpers import write_requests
-    from workers.process import make_runner, run_job
+    from batchinfer.store.jobs import get_job
+    from workers.process import run_job
 
-    upgrade(sqlite_url)
-    settings = Settings(database_url=sqlite_url, data_dir=tmp_path)
-    embedding = orjson.dumps({"custom_id": "emb", "method": "POST", "url": "/v1/embeddings",
-                              "body": {"input": TEXTS}})
-    path = tmp_path / "in.jsonl"
-    write_requests(path, 2, extra_lines=[embedding])
-    sessions = session_factory(sqlite_url)
-    with sessions() as session:
-        job = submit_job(session, settings=settings, path=path, model=str(tiny_llama), owner="t")
-    runner = make_runner(model=str(tiny_llama), settings=settings, max_num_seqs=4, pipeline_parallel_size=2,
-                         **CPU)
+    sessions, job, runner = _job_with_an_embeddings_line(sqlite_url, tmp_path, tiny_llama, chat_lines=2,
+                                                         pipeline_parallel_size=2)
     try:
         run_job(job_id=job.id, runner=runner)
     finally:
