@@ -1,0 +1,26 @@
+"""What the CLI tests share: the CLI invoked in-process, and the environment of a local run on the tiny
+model (SQLite under tmp_path, CPU, a small KV cache)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from batchinfer.cli import main
+
+
+def cli(*args: str) -> tuple[int, str]:
+    """(exit code, output) of `batchinfer ARGS`, exceptions raised as they are."""
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def tiny_model_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model: Path) -> Path:
+    """Point the settings at a data dir under tmp_path and `model` on the CPU; returns tmp_path."""
+    monkeypatch.setenv("BATCHINFER_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("BATCHINFER_DEFAULT_MODEL", str(model))
+    monkeypatch.setenv("BATCHINFER_DEVICE", "cpu")
+    monkeypatch.setenv("BATCHINFER_KV_CACHE_MEMORY_BYTES", str(16 << 20))
+    return tmp_path
