@@ -39,6 +39,12 @@ def _database_failure(exc: BaseException) -> str | None:
     if isinstance(exc, ProgrammingError | OperationalError) and any(p in lowered for p in _NO_SCHEMA):
         return (f"database {url} has no batchinfer tables (never migrated?): run `batchinfer db upgrade` "
                 f"({_short(detail)})")
+    if isinstance(exc, OperationalError) and url.startswith("sqlite"):  # a file: nothing to start
+        if "locked" in lowered:
+            return (f"database {url} is locked by another process's write past the busy timeout "
+                    f"({_short(detail)}); retry, or use PostgreSQL for many concurrent writers")
+        return (f"database {url} cannot be used ({_short(detail)}); check that its directory exists and is "
+                "writable and the disk has room, or set BATCHINFER_DATABASE_URL")
     if isinstance(exc, OperationalError):
         return (f"database {url} is unreachable ({_short(detail)}); start it, or set "
                 "BATCHINFER_DATABASE_URL")

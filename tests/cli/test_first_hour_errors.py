@@ -135,6 +135,25 @@ def test_a_postgres_down_or_missing_is_one_line(env: Path, pg_url: str, monkeypa
     _one_line(result, "unreachable", "start it")
 
 
+def test_a_sqlite_file_that_fails_is_not_called_unreachable(env: Path, monkeypatch: pytest.MonkeyPatch):
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    from batchinfer.cli.failures import describe_failure
+    from batchinfer.config import get_settings
+
+    monkeypatch.setenv("BATCHINFER_DATABASE_URL", f"sqlite:///{env / 'b.db'}")
+    get_settings.cache_clear()
+    locked = describe_failure(OperationalError("INSERT ...", {}, sqlite3.OperationalError(
+        "database is locked")))
+    assert "is locked by another process" in locked and "start it" not in locked
+    unopened = describe_failure(OperationalError("SELECT 1", {}, sqlite3.OperationalError(
+        "unable to open database file")))
+    assert "cannot be used (unable to open database file); check that its directory" in unopened
+    get_settings.cache_clear()
+
+
 def test_submit_with_the_broker_down_is_refused_in_one_line(env: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("BATCHINFER_BROKER_URL", "redis://127.0.0.1:1/0")
     result = _cli("submit", str(env / "in.jsonl"))
