@@ -2,7 +2,8 @@
 cache completes without loading a model (`batchinfer run`, issue 31).
 
 Until then it answers what a ShardRunner asks of an idle engine (nothing unfinished, no progress, aborts
-are no-ops) and its `config`; anything else builds the engine, once. A build that fails raises
+are no-ops, a step returns nothing) and its `config`; the calls that need a model (tokenize, add_request,
+embed) build the engine, once. A build that fails raises
 EngineStartError (the cause chained), which `batchinfer run` turns into its job's failure.
 """
 
@@ -69,5 +70,25 @@ class LazyEngine:
             generated_tokens=lambda: 0 if self._engine is None else self._engine.recorder.generation_tokens,
             steps=lambda: 0 if self._engine is None else self._engine.recorder.num_steps)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.get(), name)
+    # What a ShardRunner calls once work arrives: each builds the engine on first use (no attribute proxy,
+    # so the runner's needs stay listed here and a new one fails loudly in review, not at run time).
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (builds the engine)."""
+        return self.get().tokenizer
+
+    def tokenize(self, prompt: str | list[int], *, add_special_tokens: bool = True) -> list[int]:
+        """Engine.tokenize (builds the engine)."""
+        return self.get().tokenize(prompt, add_special_tokens=add_special_tokens)
+
+    def add_request(self, *args: Any, **kwargs: Any) -> Any:
+        """Engine.add_request (builds the engine)."""
+        return self.get().add_request(*args, **kwargs)
+
+    def embed(self, *args: Any, **kwargs: Any) -> Any:
+        """Engine.embed (builds the engine)."""
+        return self.get().embed(*args, **kwargs)
+
+    def step(self) -> list[Any]:
+        """Engine.step; nothing to do before the engine exists."""
+        return [] if self._engine is None else self._engine.step()
