@@ -65,7 +65,7 @@ def create(name: str, owner: str | None, admin: bool, weight: float, as_json: bo
 @click.option("--all", "include_revoked", is_flag=True, help="Include revoked keys.")
 @json_option("One JSON object per key.")
 def list_(include_revoked: bool, as_json: bool) -> None:
-    """List keys: id, name, owner, prefix, created, last used, revoked (never the key itself)."""
+    """List keys: id, name, owner, fair-share weight, prefix, created, last used, revoked (never the key)."""
     from batchinfer.store.apikeys import list_keys
 
     with _session() as session:
@@ -81,9 +81,9 @@ def list_(include_revoked: bool, as_json: bool) -> None:
     def when(value: str | None) -> str:
         return value[:19].replace("T", " ") if value else "-"
 
-    header = ("ID", "NAME", "OWNER", "PREFIX", "CREATED", "LAST USED", "REVOKED")
+    header = ("ID", "NAME", "OWNER", "WEIGHT", "PREFIX", "CREATED", "LAST USED", "REVOKED")
     table = [header] + [(str(k["id"]), k["name"] or "", k["owner"] + (" (admin)" if k["admin"] else ""),
-                         k["prefix"] + "...",
+                         f"{k['weight']:g}", k["prefix"] + "...",
                          when(k["created_at"]), when(k["last_used_at"]), when(k["revoked_at"])) for k in keys]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
