@@ -10,7 +10,8 @@ rows is left.
 Their sizes are measured once, when the job has ended (`record_result_sizes`: by the worker that finished
 it, the cancel that ended it, else by the first reader), and stored on the job (`output_bytes`,
 `error_bytes`): listing files reads them and never exports. Those bytes are charged to the owner's
-stored bytes (store.quotas) in the same transaction, and given back when a file is deleted.
+stored bytes (store.quotas) in the same transaction, and given back when a file is deleted; the job's
+copied requests (`request_bytes`) once no row of it is left.
 """
 
 from __future__ import annotations
@@ -165,4 +166,16 @@ def delete_result_file(session: Session, *, owner: str, job_id: int, kind: Resul
         if session.execute(update(Job).where(Job.id == job_id, column == size).values({column: 0})
                            .execution_options(synchronize_session=False)).rowcount:
             charge_storage(session, owner=owner, delta=-size)  # its bytes are the owner's again
+        _release_request_bytes_once_no_row_is_left(session, owner=owner, job_id=job_id)
     return True
+
+
+def _release_request_bytes_once_no_row_is_left(session: Session, *, owner: str, job_id: int) -> None:
+    """In the deleting transaction: the job's copied requests (request_bytes, charged at create) are the
+    owner's again once both its files are deleted and none of its rows is left (not at the purge only)."""
+    left = session.scalar(select(Request.id).where(Request.id > request_id_for(job_id, 0),
+                                                   Request.id < request_id_for(job_id + 1, 0)).limit(1))
+    held = None if left is not None else session.scalar(select(Job.request_bytes).where(Job.id == job_id))
+    if held and session.execute(update(Job).where(Job.id == job_id, Job.request_bytes == held)
+                                .values(request_bytes=0).execution_options(synchronize_session=False)).rowcount:
+        charge_storage(session, owner=owner, delta=-held)
