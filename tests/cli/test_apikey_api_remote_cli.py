@@ -70,16 +70,16 @@ def test_apikey_create_list_revoke(cli_env, tmp_path):
 def test_api_refuses_auth_disabled_off_loopback(cli_env, monkeypatch):
     import uvicorn
 
-    started: list[dict] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.append({"app": app, **kw}))
+    started: list[uvicorn.Config] = []  # the api command serves through uvicorn.Server: record, do not bind
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, **kw: started.append(server.config))
     refused = CliRunner().invoke(api, ["--auth-disabled", "--host", "0.0.0.0"])
     assert refused.exit_code == 2 and "refused on 0.0.0.0" in refused.output and not started
 
     served = CliRunner().invoke(api, ["--auth-disabled", "--host", "127.0.0.1", "--port", "8123"])
     assert served.exit_code == 0, served.output
     assert "authentication is DISABLED" in served.stderr
-    assert started[0]["host"] == "127.0.0.1" and started[0]["port"] == 8123
-    assert started[0]["app"].state.settings.auth_disabled is True
+    assert started[0].host == "127.0.0.1" and started[0].port == 8123
+    assert started[0].app.state.settings.auth_disabled is True
 
     keyed = CliRunner().invoke(api, ["--host", "0.0.0.0"])
     assert keyed.exit_code == 0 and "DISABLED" not in keyed.output
