@@ -85,9 +85,9 @@ def timed_generate(llm, prompts, params) -> tuple[list, float]:
 
 def in_engine_mask_cost(llm, prompts, params) -> tuple[list, float, list[float]]:
     """Run the job with the engine's per-step mask fill and the sampler timed; returns per-step seconds."""
-    engine = llm.engine
+    structured = llm.engine.structured
     fill_seconds: list[float] = []
-    fill = engine._grammar_mask
+    fill = structured.mask
 
     def timed_fill(seqs):
         start = time.perf_counter()
@@ -95,11 +95,11 @@ def in_engine_mask_cost(llm, prompts, params) -> tuple[list, float, list[float]]
         fill_seconds.append(time.perf_counter() - start)
         return mask
 
-    engine._grammar_mask = timed_fill
+    structured.mask = timed_fill
     try:
         outputs, seconds = timed_generate(llm, prompts, params)
     finally:
-        engine._grammar_mask = fill
+        structured.mask = fill
     return outputs, seconds, fill_seconds
 
 

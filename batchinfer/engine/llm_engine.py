@@ -6,10 +6,8 @@ free the finished. Validation happens in add_request before any state changes, s
 ValueError naming the field and leaves the engine and every other request untouched. Outputs are built
 in outputs.py, figures kept in metrics.py; the offline LLM API over this loop is llm.py.
 
-Structured output (structured.py): a constrained request's grammar compiles in the background; until it
-is compiled the request waits here, outside the scheduler, so nothing else waits for it. Each step fills
-the grammar bitmask of the constrained rows, the sampler masks those rows only, and each accepted token
-advances the row's matcher.
+Structured output (structured_requests.py): a constrained request waits outside the scheduler until its
+grammar is compiled; each step masks the constrained rows, each accepted token advances the row's matcher.
 
 Speculative decoding (spec_decode/): the scheduler gives a decoding sequence lookahead slots, the
 Speculator proposes drafts for it, the drafts run as part of its chunk (k + 1 logits rows), and the
@@ -21,7 +19,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Set as AbstractSet
-from concurrent.futures import FIRST_COMPLETED, wait
 from itertools import accumulate
 
 from batchinfer.engine import prompt_logprobs
@@ -36,17 +33,17 @@ from batchinfer.engine.outputs import RequestOutput, make_logprob_entry, make_re
 from batchinfer.engine.request_checks import check_param_token_ids, prompt_token_ids, resolved_max_tokens
 from batchinfer.engine.resolved_model import resolve_model
 from batchinfer.engine.runner_protocol import ModelRunnerProtocol
-from batchinfer.engine.sampler import GrammarMask, SampleLogprobs, Sampler
+from batchinfer.engine.sampler import SampleLogprobs, Sampler
 from batchinfer.engine.sampling_params import SamplingParams
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchinfer.engine.spec_decode.speculator import Speculator
 from batchinfer.engine.stop import check_stop
 from batchinfer.engine.structured import GrammarBackend, GrammarState
+from batchinfer.engine.structured_requests import StructuredRequests
 from batchinfer.engine.threads import ThreadGovernor, cpu_thread_governor
 
 logger = logging.getLogger(__name__)
-GRAMMAR_WAIT_S = 0.05  # with nothing else to run, how long one step waits for a grammar to compile
 
 
 class Engine:
@@ -91,9 +88,10 @@ class Engine:
         # This step's latencies, handed to the recorder by _record_step (appended per token: kept lean).
         self._ttfts: list[float] = []
         self._itls: list[float] = []
-        self.grammar_backend: GrammarBackend | None = None  # made by the first constrained request
+        self.structured = StructuredRequests(  # constrained requests and their grammars
+            config, self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
+            device=self.model_runner.device)
         self._prompt_logprob_requests: set[str] = set()  # whose prompt logprobs are still being computed
-        self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests still compiling, in order
         self.thread_governor: ThreadGovernor | None = None
         if str(self.model_runner.device) == "cpu":
             self.thread_governor, threads = cpu_thread_governor(
@@ -108,8 +106,12 @@ class Engine:
         self.model_runner.close()
         if self.speculator is not None:
             self.speculator.close()
-        if self.grammar_backend is not None:
-            self.grammar_backend.close()
+        self.structured.close()
+
+    @property
+    def grammar_backend(self) -> GrammarBackend | None:
+        """The grammar backend, once a constrained request made it."""
+        return self.structured.backend
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -152,9 +154,7 @@ class Engine:
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         compiled = None
         if params.structured_outputs is not None:
-            compiled = self._grammars().compile(params.structured_outputs, owner=cache_salt)  # fair turns
-            if compiled.done() and compiled.exception() is not None:
-                raise ValueError(f"structured_outputs: {compiled.exception()}")
+            compiled = self.structured.compile(params.structured_outputs, owner=cache_salt)  # fair turns
 
         arrival = time.time() if arrival_time is None else arrival_time
         seqs = [
@@ -186,7 +186,7 @@ class Engine:
         if compiled is None or compiled.done():
             self._queue(group)
         else:
-            self._awaiting_grammar.append(group)
+            self.structured.hold(group)
 
     def _add_lora(self, lora_request: LoRARequest) -> None:
         """Load a request's adapter on the runner (ValueError naming the problem if it cannot run)."""
@@ -199,39 +199,16 @@ class Engine:
 
     def _queue(self, group: SequenceGroup) -> None:
         """Hand a request's sequences to the scheduler (a constrained one's grammar is compiled by now)."""
+        self.structured.start(group)
         for seq in group.seqs:
-            if seq.grammar is not None:
-                self._grammars().start(seq.grammar)
             self.scheduler.add(seq)  # siblings queue side by side, so they share the prompt's blocks
 
-    def _grammars(self) -> GrammarBackend:
-        """The grammar backend, made on first use (it imports xgrammar and reads the whole vocabulary)."""
-        if self.grammar_backend is None:
-            self.grammar_backend = GrammarBackend(
-                self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
-                max_num_seqs=self.config.max_num_seqs, device=self.model_runner.device,
-                compile_workers=self.config.grammar_compile_workers,
-                compile_timeout_s=self.config.grammar_compile_timeout_s,
-                cache_bytes=self.config.compiled_grammar_cache_bytes,
-            )
-        return self.grammar_backend
-
     def _queue_compiled(self) -> list[RequestOutput]:
-        """Queue the waiting requests whose grammar is compiled; returns those whose compile failed."""
-        waiting, failed = [], []
-        for group in self._awaiting_grammar:
-            compiled = group.seqs[0].grammar.compiled
-            if not compiled.done():
-                waiting.append(group)
-            elif compiled.exception() is None:
-                self._queue(group)
-            else:  # past grammar_compile_timeout_seconds, or (checked at ingest) unexpected
-                logger.warning("request %s: its grammar failed to compile: %s", group.request_id,
-                               compiled.exception())
-                error = f"structured_outputs: {compiled.exception()}"
-                failed.append(self._finish_unqueued(group, error=error))
-        self._awaiting_grammar = waiting
-        return failed
+        """Queue the held requests whose grammar is compiled; returns those whose compile failed."""
+        ready, failed = self.structured.take_compiled()
+        for group in ready:
+            self._queue(group)
+        return [self._finish_unqueued(group, error=error) for group, error in failed]
 
     def _finish_unqueued(self, group: SequenceGroup, *, error: str | None = None) -> RequestOutput:
         """Abort a request that never reached the scheduler; returns its final output (with `error`)."""
@@ -268,8 +245,7 @@ class Engine:
         request = self._requests.get(request_id)
         if request is None:
             return None
-        if any(group is request for group in self._awaiting_grammar):
-            self._awaiting_grammar = [group for group in self._awaiting_grammar if group is not request]
+        if self.structured.drop(request):  # never reached the scheduler
             return self._finish_unqueued(request)
         del self._requests[request_id]
         self._prompt_logprob_requests.discard(request_id)
@@ -302,7 +278,7 @@ class Engine:
     def step(self, *, include_unfinished: bool = False) -> list[RequestOutput]:
         """Run one iteration; returns the requests that finished (and, if asked, those that progressed)."""
         recorder = self.recorder
-        outputs = self._queue_compiled() if self._awaiting_grammar else []
+        outputs = self._queue_compiled() if self.structured.awaiting else []
         schedule = self.scheduler.schedule()
         scheduled = schedule.scheduled
         speculative = None
@@ -313,10 +289,8 @@ class Engine:
                 speculative = self.speculator.propose(scheduled, schedule.lookahead)
         if not scheduled:
             recorder.count_tokens(0, 0)
-            if self._awaiting_grammar and not self.scheduler.has_unfinished():
-                # Nothing to run but compiles: wait for one rather than spin.
-                wait([g.seqs[0].grammar.compiled for g in self._awaiting_grammar], GRAMMAR_WAIT_S,
-                     return_when=FIRST_COMPLETED)
+            if self.structured.awaiting and not self.scheduler.has_unfinished():
+                self.structured.wait_for_one()  # nothing to run but compiles: wait for one, do not spin
             return outputs  # or everything runnable was preempted this step; it is readmitted on the next
         recorder.num_steps += 1
         if self.thread_governor is not None:
@@ -361,7 +335,7 @@ class Engine:
             rows = [row for row in rows if row not in speculative.proposals]
         if rows:
             seqs = [scheduled[row][0] for row in rows]
-            grammar = self._grammar_mask(seqs) if self.grammar_backend is not None else None
+            grammar = self.structured.mask(seqs)
             # A decode step samples every row: skip the [rows, vocab] gather copy (tens of MB at vocab 49k).
             if ends is not None:
                 logits = logits[[ends[row] - 1 for row in rows]]
@@ -387,15 +361,6 @@ class Engine:
         self._record_step()
         return outputs
 
-    def _grammar_mask(self, seqs: list[Sequence]) -> GrammarMask | None:
-        """The bitmask of this step's constrained rows (None when every row is free)."""
-        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
-        if not rows:
-            return None
-        assert self.grammar_backend is not None
-        bitmask = self.grammar_backend.fill_bitmask(seqs, rows)
-        return GrammarMask(bitmask[: len(seqs)], rows)
-
     def _record_step(self) -> None:
         """Fold this step into the metrics (bench/engine_overhead.py swaps this out to time it)."""
         self.recorder.record_step(self._ttfts, self._itls)
@@ -416,17 +381,8 @@ class Engine:
             seq.logprobs.append(make_logprob_entry(self.tokenizer, token_id, logprobs))
             seq.cumulative_logprob += logprobs.logprob
         finished = check_stop(seq, token_id, self.eos_token_ids, self.max_model_len)
-        grammar = seq.grammar
-        if grammar is not None and not finished:
-            assert self.grammar_backend is not None
-            if not self.grammar_backend.accept(grammar, token_id):
-                # The mask allows only what the matcher accepts, so this is a bug, not bad input.
-                logger.error("request %s: its grammar rejected sampled token %d", seq.request_id, token_id)
-                seq.status = SequenceStatus.FINISHED_ABORTED
-                finished = True
-            elif grammar.matcher.is_terminated():  # a stop token of the grammar that is not an EOS id
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                finished = True
+        if seq.grammar is not None and not finished:
+            finished = self.structured.accept(seq, token_id)
         if finished:
             seq.finished_time = now
 

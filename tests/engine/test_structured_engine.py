@@ -193,7 +193,7 @@ def test_a_grammar_that_fails_to_compile_ends_its_request_alone(tiny_llama, make
     llm = make_llm(tiny_llama)
     engine = llm.engine
     unchecked = SamplingParams.from_dict({"max_tokens": 8, "structured_outputs": {"regex": "(ab"}})
-    backend = engine._grammars()
+    backend = engine.structured.grammars()
     release = threading.Event()
     compile_now = backend._compile
     backend._compile = lambda constraint: (release.wait(30), compile_now(constraint))[1]
