@@ -103,7 +103,8 @@ def test_batch_object_matches_openai_and_reports_progress():
     # 5 of 10 done in 10 s, 10 tokens each: 5 more are ~50 tokens, ~10 s at 5 tokens/s.
     assert batch["progress"] == {"fraction": 0.5, "tokens_per_second": 5.0, "requests_per_second": 0.5,
                                  "eta_seconds": 10.0, "started_at": None, "generated_tokens": 50,
-                                 "remaining_tokens": 50, "input_tokens_per_second": 10.0}
+                                 "remaining_tokens": 50, "input_tokens_per_second": 10.0,
+                                 "at_risk": False}  # 10 s left of a 24 h window
 
 
 def test_result_files_are_offered_once_the_job_is_done():
