@@ -155,10 +155,11 @@ class Topology:
 
     # --- the CLI ---------------------------------------------------------------------------------------
 
-    def cli(self, *args: str, timeout: float = 120, remote: bool = False,
-            check: bool = True) -> subprocess.CompletedProcess:
-        """Run `batchinfer <args>` to completion (against the API with remote=True); returns the result."""
-        env = dict(self.env)
+    def cli(self, *args: str, timeout: float = 120, remote: bool = False, check: bool = True,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Run `batchinfer <args>` to completion (against the API with remote=True; `env` over the
+        topology's, e.g. an owner's BATCHINFER_API_KEY); returns the result."""
+        env = {**self.env, **(env or {})}
         if remote:
             env["BATCHINFER_SERVER"] = f"http://127.0.0.1:{self.api_port}"
         result = subprocess.run([sys.executable, "-m", "batchinfer.cli", *args], env=env, cwd=self.tmp,
