@@ -9,24 +9,14 @@ from pathlib import Path
 
 import orjson
 import pytest
-from click.testing import CliRunner
 
-from batchinfer.cli import main
+from tests.cli.helpers import cli, tiny_model_env
 from tests.workers.helpers import read_lines
 
 
 @pytest.fixture
 def env(tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("BATCHINFER_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("BATCHINFER_DEFAULT_MODEL", str(tiny_llama))
-    monkeypatch.setenv("BATCHINFER_DEVICE", "cpu")
-    monkeypatch.setenv("BATCHINFER_KV_CACHE_MEMORY_BYTES", str(16 << 20))
-    return tmp_path
-
-
-def _cli(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
-    return result.exit_code, result.output
+    return tiny_model_env(monkeypatch, tmp_path, tiny_llama)
 
 
 def _write(path: Path, prompts: list[str]) -> None:
@@ -55,10 +45,10 @@ def _no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_nights_on_one_data_dir(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = [f"describe product {i}" for i in range(20)]
     _write(env / "night1.jsonl", prompts)
-    code, out = _cli("run", str(env / "night1.jsonl"), "-o", str(env / "out1.jsonl"))
+    code, out = cli("run", str(env / "night1.jsonl"), "-o", str(env / "out1.jsonl"))
     assert code == 0, out
     _write(env / "night2.jsonl", [p + " v2" if i in (4, 9) else p for i, p in enumerate(prompts)])
-    code, out = _cli("run", str(env / "night2.jsonl"), "-o", str(env / "out2.jsonl"), "--json")
+    code, out = cli("run", str(env / "night2.jsonl"), "-o", str(env / "out2.jsonl"), "--json")
     assert code == 0, out
     night2 = orjson.loads(out.strip().splitlines()[-1])
     assert night2["result_cache"] == {"mode": "use", "hits": 18, "dedups": 0}
@@ -69,27 +59,27 @@ def test_nights_on_one_data_dir(env: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert [line["provenance"]["result_cache"] for line in lines].count("miss") == 2
 
     _no_engine(monkeypatch)  # night 3 repeats night 2: every line a hit, no model loaded
-    code, out = _cli("run", str(env / "night2.jsonl"), "-o", str(env / "out3.jsonl"))
+    code, out = cli("run", str(env / "night2.jsonl"), "-o", str(env / "out3.jsonl"))
     assert code == 0, out
     assert "20 from the result cache" in out
     assert _choices(env / "out3.jsonl") == second
     batch_id = re.findall(r"batch_\d+", out)[-1]
-    code, out = _cli("status", batch_id)
+    code, out = cli("status", batch_id)
     assert code == 0 and "20 from the result cache, 0 copied from identical lines" in out
 
-    code, out = _cli("run", str(env / "night2.jsonl"), "-o", str(env / "out4.jsonl"), "--result-cache", "off")
+    code, out = cli("run", str(env / "night2.jsonl"), "-o", str(env / "out4.jsonl"), "--result-cache", "off")
     assert code == 4, out  # off needs the engine, which cannot load here: the job fails, saying why
     assert "no model may be loaded here" in out
 
 
 def test_schedule_jobs_take_the_schedules_result_cache_mode(env: Path) -> None:
     _write(env / "in.jsonl", ["a", "b"])
-    code, out = _cli("schedule", "add", "nightly", "--cron", "0 2 * * *", "--input", str(env / "in.jsonl"),
+    code, out = cli("schedule", "add", "nightly", "--cron", "0 2 * * *", "--input", str(env / "in.jsonl"),
                      "--result-cache", "off", "--json")
     assert code == 0, out
     assert orjson.loads(out)["result_cache"] == "off"
-    code, out = _cli("schedule", "run-now", "nightly", "--json")
+    code, out = cli("schedule", "run-now", "nightly", "--json")
     assert code == 0, out
-    code, out = _cli("list", "--json")
+    code, out = cli("list", "--json")
     batches = [orjson.loads(line) for line in out.splitlines()]
     assert [batch["result_cache"]["mode"] for batch in batches] == ["off"]

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import orjson
 import pytest
-from click.testing import CliRunner
 
-from batchinfer.cli import main
+from tests.cli.helpers import cli
 from tests.workers.helpers import write_requests
 
 
@@ -20,30 +19,25 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def _cli(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
-    return result.exit_code, result.output
-
-
 def test_retry_a_cancelled_batch(env: Path) -> None:
     write_requests(env / "in.jsonl", 4, extra_lines=[b"not json"])
-    code, out = _cli("submit", str(env / "in.jsonl"), "-q")
+    code, out = cli("submit", str(env / "in.jsonl"), "-q")
     assert code == 0, out
     parent = out.strip()
-    code, out = _cli("retry", parent)
+    code, out = cli("retry", parent)
     assert code == 1 and "retry it once it has ended" in out
-    assert _cli("cancel", parent)[0] == 0
+    assert cli("cancel", parent)[0] == 0
 
-    code, out = _cli("retry", parent)
+    code, out = cli("retry", parent)
     assert code == 0, out
     assert re.search(rf"batch_\d+: retrying 4 line\(s\) of {parent}; left out \(invalid input, "
                      r"--include-invalid retries them\): line 5 \(invalid_json\)", out), out
     child = re.findall(r"batch_\d+", out)[0]
-    code, out = _cli("status", child, "--json")
+    code, out = cli("status", child, "--json")
     batch = orjson.loads(out)
     assert batch["metadata"] == {"retry_of": parent} and batch["request_counts"]["total"] == 4
 
-    code, out = _cli("retry", parent, "--only", "expired")
+    code, out = cli("retry", parent, "--only", "expired")
     assert code == 1 and f"{parent} has no expired lines to retry" in out
-    code, out = _cli("retry", parent, "--only", "lost")
+    code, out = cli("retry", parent, "--only", "lost")
     assert code == 1 and "--only: 'lost' is not a kind of line to retry" in out
