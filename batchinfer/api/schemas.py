@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from batchinfer.store.estimate import Estimate
+
 
 class ExpiresAfter(BaseModel):
     """OpenAI's expiration policy: `seconds` (one hour to 30 days) after the anchor."""
@@ -163,6 +165,9 @@ class BatchObject(BaseModel):
     usage: dict[str, Any]
     max_total_tokens: int | None = Field(None, description=(
         "Extension: the batch's token budget, when it has one; usage never exceeds it."))
+    estimate: Estimate | None = Field(None, description=(
+        "Extension: the estimate made at submit from ingest's counts (prompt tokens not counted), the "
+        "figures of POST /v1/batches/estimate; `progress.eta_seconds` refines it while the batch runs."))
     progress: BatchProgress
     result_cache: ResultCacheCounts | None = None
     retry: RetryInfo | None = None  # only in the answer of POST /v1/batches/{id}/retry

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import click
@@ -9,7 +10,7 @@ import click
 from batchinfer.cli.output import emit, fail, input_file, json_option
 
 FIGURES = ("requests", "invalid_lines", "prompt_tokens", "cached_prompt_tokens", "max_output_tokens",
-           "expected_output_tokens", "expected_seconds", "live_workers")
+           "expected_output_tokens", "result_cache_hits", "expected_seconds", "live_workers")
 
 
 @click.command()
@@ -21,8 +22,10 @@ def estimate(file: Path, model: str | None, as_json: bool) -> None:
     """Estimate a JSONL file before submitting it: tokens, expected output and seconds on this deployment."""
     from batchinfer.cli.backend import prepare_database
     from batchinfer.cli.context import cli_settings
+    from batchinfer.store import LOCAL_OWNER
     from batchinfer.store.db import session_factory
     from batchinfer.store.estimate import describe, estimate_file, model_tokenizer
+    from workers.result_cache_forecast import cache_hits
 
     input_file(file)
     settings = cli_settings()
@@ -32,9 +35,10 @@ def estimate(file: Path, model: str | None, as_json: bool) -> None:
     except (ValueError, OSError) as exc:
         fail(f"--model: {exc}")
     with session_factory(prepare_database(settings, migrate=True))() as session:
-        result = estimate_file(session, path=file, model=model, settings=settings)
+        result = estimate_file(session, path=file, model=model, settings=settings, cache_hits=partial(
+            cache_hits, model=model, owner=LOCAL_OWNER, settings=settings))
     figures = result.as_dict()
     lines = [f"{name:24} {describe(figures[name])}" for name in FIGURES]
     lines += [f"basis: {line}" for line in result.basis]
-    lines += [f"error: {error['message']}" for error in result.errors]
+    lines += [f"error: {error.message}" for error in result.errors]
     emit(figures, "\n".join(lines))

@@ -19,11 +19,12 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, BinaryIO
 
 import orjson
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -40,6 +41,9 @@ STEP_TIME_EXPONENT = 0.5  # a decode step's time ~ concurrency ** this (see the 
 POLL_MAX_BACKOFF_S = 5.0  # an idle broker-less worker's longest wait between polls (workers.process)
 
 Tokenize = Callable[[NormalizedRequest], list[int]]
+# (session, the file's requests) -> (requests the result cache would serve, or None; what that rests on):
+# workers/result_cache_forecast.py, which keys them as the workers do.
+CacheHits = Callable[[Session, list[NormalizedRequest]], tuple[int | None, str]]
 
 
 @dataclass
@@ -51,26 +55,37 @@ class FileRead:
     errors: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_LISTED_ERRORS
 
 
-@dataclass
-class Estimate:
-    """The figures `batchinfer estimate` prints (see the module docstring for each)."""
+class LineErrorItem(BaseModel):
+    """A line error, as ingest records it."""
+
+    code: str | None = None
+    line: int | None = None
+    message: str | None = None
+    param: str | None = None
+
+
+class Estimate(BaseModel):
+    """What a file will cost on this deployment (README "Sharing the workers"): `batchinfer estimate`'s
+    figures, POST /v1/batches/estimate's object, and a batch's `estimate` made at submit (from_counts)."""
+
+    model_config = ConfigDict(protected_namespaces=())
 
     model: str
     requests: int
     invalid_lines: int
-    prompt_tokens: int
-    cached_prompt_tokens: int
+    prompt_tokens: int | None  # None at submit: ingest does not tokenize
+    cached_prompt_tokens: int | None
     max_output_tokens: int
     expected_output_tokens: int
     expected_seconds: float | None
     live_workers: int
     basis: list[str]
-    result_cache_hits: int | None = None  # not estimated yet
-    errors: list[dict[str, Any]] = field(default_factory=list)
+    result_cache_hits: int | None = None  # None: unknown (no recorded identity), not read, or at submit
+    errors: list[LineErrorItem] = []
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object of `estimate --json`."""
-        return asdict(self)
+        return self.model_dump()
 
 
 @dataclass(frozen=True)
@@ -185,17 +200,12 @@ def live_workers_of(session: Session, *, model: str, now: datetime | None = None
     return len(serving), min(waits)
 
 
-def estimate(session: Session, *, model: str, read: FileRead, tokenize: Tokenize, context: int | None,
-             block_size: int, max_num_seqs: int, polling: bool = False) -> Estimate:
-    """The estimate of a read file on `model` with this deployment's history and live workers."""
-    prompts = [tokenize(request) for request in read.requests]
-    caps = [cap_of(request, len(prompt), context)
-            for request, prompt in zip(read.requests, prompts, strict=True)]
+def expected_run(session: Session, *, model: str, requests: int, max_output: int, max_num_seqs: int,
+                 polling: bool, basis: list[str]) -> tuple[int, float | None, int]:
+    """(expected output tokens, expected seconds, live workers) of `requests` whose caps add up to
+    `max_output`, from this deployment's history and live workers; appends what they rest on to `basis`."""
     history = model_history(session, model=model, max_num_seqs=max_num_seqs)
     workers, poll_wait = live_workers_of(session, model=model)
-    basis = [f"prompt tokens: {model}'s tokenizer and chat template; cached: prompts' shared prefixes "
-             f"in whole {block_size}-token KV blocks"]
-    max_output = sum(caps)
     if history.output_share is None:
         expected_output = max_output
         basis.append(f"assumption: no finished request of {model} with max_tokens yet, so every request is "
@@ -209,21 +219,61 @@ def estimate(session: Session, *, model: str, read: FileRead, tokenize: Tokenize
         basis.append(f"seconds: unknown until a job of {model} has finished on this deployment")
     elif workers == 0:
         basis.append(f"seconds: unknown, no live worker serves {model} now")
-    elif read.requests:
-        concurrency = min(len(read.requests) / workers, max_num_seqs)
+    elif requests:
+        concurrency = min(requests / workers, max_num_seqs)
         steps = expected_output / workers / max(concurrency, 1)
         seconds = steps * history.step_seconds * max(concurrency, 1) ** STEP_TIME_EXPONENT
         basis.append(f"seconds: decode steps at the pace of {history.rate_jobs} finished job(s) of {model}, "
-                     f"{len(read.requests)} requests over {workers} live worker(s)")
+                     f"{requests} requests over {workers} live worker(s)")
         if polling and poll_wait:
             seconds += poll_wait
             basis.append(f"seconds: + {poll_wait:.1f} s until an idle polling worker looks for work")
         seconds = round(seconds, 1)
+    return expected_output, seconds, workers
+
+
+def estimate(session: Session, *, model: str, read: FileRead, tokenize: Tokenize, context: int | None,
+             block_size: int, max_num_seqs: int, polling: bool = False,
+             cache_hits: CacheHits | None = None) -> Estimate:
+    """The estimate of a read file on `model` with this deployment's history and live workers."""
+    prompts = [tokenize(request) for request in read.requests]
+    caps = [cap_of(request, len(prompt), context)
+            for request, prompt in zip(read.requests, prompts, strict=True)]
+    basis = [f"prompt tokens: {model}'s tokenizer and chat template; cached: prompts' shared prefixes "
+             f"in whole {block_size}-token KV blocks"]
+    max_output = sum(caps)
+    expected_output, seconds, workers = expected_run(
+        session, model=model, requests=len(read.requests), max_output=max_output, max_num_seqs=max_num_seqs,
+        polling=polling, basis=basis)
+    hits = None
+    if cache_hits is not None:
+        hits, why = cache_hits(session, read.requests)
+        basis.append(why)
     return Estimate(model=model, requests=len(read.requests), invalid_lines=read.invalid,
                     prompt_tokens=sum(map(len, prompts)),
                     cached_prompt_tokens=shared_prefix_tokens(prompts, block_size=block_size),
                     max_output_tokens=max_output, expected_output_tokens=expected_output,
-                    expected_seconds=seconds, live_workers=workers, basis=basis, errors=read.errors)
+                    expected_seconds=seconds, live_workers=workers, basis=basis, errors=read.errors,
+                    result_cache_hits=hits)
+
+
+def from_counts(session: Session, *, model: str, requests: int, invalid: int, max_output: int, uncapped: int,
+                settings: Settings) -> Estimate:
+    """The estimate made at submit from what ingest counted (requests, the sum of their caps), without
+    tokenizing the file again: prompt tokens are not counted, and requests without max_tokens (whose cap is
+    the context their prompt leaves) are left out of the output figures, as the basis says."""
+    basis = ["made at submit from ingest's counts: prompt tokens not counted (`batchinfer estimate FILE` "
+             "tokenizes the file)"]
+    if uncapped:
+        basis.append(f"output: {uncapped} request(s) without max_tokens left out (their cap is the context "
+                     "their prompt leaves)")
+    expected_output, seconds, workers = expected_run(
+        session, model=model, requests=requests, max_output=max_output, max_num_seqs=settings.max_num_seqs,
+        polling=not settings.broker_url, basis=basis)
+    return Estimate(model=model, requests=requests, invalid_lines=invalid, prompt_tokens=None,
+                    cached_prompt_tokens=None, max_output_tokens=max_output,
+                    expected_output_tokens=expected_output, expected_seconds=seconds, live_workers=workers,
+                    basis=basis)
 
 
 @functools.lru_cache(maxsize=4)
@@ -250,15 +300,15 @@ def model_tokenizer(model: str) -> tuple[Tokenize, int | None]:
     return tokenize, context
 
 
-def estimate_file(session: Session, *, path: str | os.PathLike[str], model: str,
-                  settings: Settings) -> Estimate:
+def estimate_file(session: Session, *, path: str | os.PathLike[str], model: str, settings: Settings,
+                  cache_hits: CacheHits | None = None) -> Estimate:
     """`batchinfer estimate` / POST /v1/batches/estimate: read, tokenize and estimate the file at `path`."""
     tokenize, context = model_tokenizer(model)
     with open(path, "rb") as stream:
         read = read_file(stream, IngestLimits.from_settings(settings, model))
     return estimate(session, model=model, read=read, tokenize=tokenize, context=context,
                     block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
-                    polling=not settings.broker_url)
+                    polling=not settings.broker_url, cache_hits=cache_hits)
 
 
 def describe(value: Any) -> str:

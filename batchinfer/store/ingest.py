@@ -89,6 +89,10 @@ class IngestResult:
     keys: array = field(default_factory=lambda: array("Q"))
     lines: array = field(default_factory=lambda: array("I"))
     duplicate_lines: list[int] = field(default_factory=list)  # valid lines that lost their custom_id
+    # For the estimate made at submit (store.estimate.from_counts): the valid lines' caps (n x max_tokens)
+    # added up, and the generation lines without max_tokens (their cap depends on the prompt's length).
+    max_output_tokens: int = 0
+    uncapped: int = 0
 
 
 def prefix_key(text: str) -> int:
@@ -221,6 +225,11 @@ def ingest_file(engine: Engine, *, job_id: int, stream: BinaryIO, limits: Ingest
                     add_key(key)
                     add_line(line_number)
                     result.valid += 1
+                    if request.endpoint is not Endpoint.EMBEDDINGS:
+                        if request.params.max_tokens is None:
+                            result.uncapped += 1
+                        else:
+                            result.max_output_tokens += request.params.n * request.params.max_tokens
             if stop_after_errors is not None and result.invalid >= stop_after_errors:
                 break
             chunk_bytes += len(content)

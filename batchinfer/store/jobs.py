@@ -9,6 +9,7 @@ Settings are passed in (`settings=`); nothing here reads the process settings.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 from sqlalchemy import Column, Engine, delete, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings
@@ -24,8 +25,9 @@ from batchinfer.formats import URL_TO_ENDPOINT, validate_metadata
 from batchinfer.store.budgets import check_budget
 from batchinfer.store.db import end_transaction, single_flight, write_transaction
 from batchinfer.store.errors import JobError, JobStateError
+from batchinfer.store.estimate import from_counts
 from batchinfer.store.ids import MAX_JOB_ID, is_job_id
-from batchinfer.store.ingest import MAX_LISTED_ERRORS, IngestLimits, ingest_file, make_shards
+from batchinfer.store.ingest import MAX_LISTED_ERRORS, IngestLimits, IngestResult, ingest_file, make_shards
 from batchinfer.store.ingest_lease import IngestLease, IngestLeaseLost, new_ingest_owner, release_lost_ingest
 from batchinfer.store.line_models import ModelRouting
 from batchinfer.store.models import (
@@ -39,6 +41,8 @@ from batchinfer.store.models import (
 from batchinfer.store.quotas import charge_storage
 from batchinfer.store.result_cache import check_mode as check_result_cache_mode
 from batchinfer.store.transitions import finalize_if_done, lock_job, stop_pending
+
+logger = logging.getLogger(__name__)
 
 OnInvalid = Literal["skip", "fail"]
 EXPIRY_LOCK_KEY = 0x6578706972  # pg advisory lock id of expire_jobs: "expir"
@@ -176,8 +180,7 @@ def submit_job(
     try:
         with IngestLease.of_session(session, job_id=job.id, owner=job.ingest_owner,
                                     lease_seconds=settings.ingest_lease_seconds) as lease:
-            _ingest(session, job, file or stream, limits, settings.max_attempts, lease.check, served_names,
-                    adapter_names)
+            _ingest(session, job, file or stream, limits, settings, lease.check, served_names, adapter_names)
     except IngestLeaseLost:  # the rescuer failed the job meanwhile: drop what this submit wrote since
         session.rollback()
         with write_transaction(session):
@@ -208,7 +211,7 @@ def job_id_by_idempotency_key(session: Session, *, owner: str, key: str) -> int 
     return job_id
 
 
-def _ingest(session: Session, job: Job, stream: BinaryIO, limits: IngestLimits, max_attempts: int,
+def _ingest(session: Session, job: Job, stream: BinaryIO, limits: IngestLimits, settings: Settings,
             check_lease: Callable[[], None], served_names: frozenset[str] | None = None,
             adapter_names: frozenset[str] = frozenset()) -> None:
     stop_after = MAX_LISTED_ERRORS if job.on_invalid == "fail" else None
@@ -229,6 +232,7 @@ def _ingest(session: Session, job: Job, stream: BinaryIO, limits: IngestLimits, 
                   *result.errors]
         _fail_job(session, job.id, errors, num_errors=result.invalid)
         return
+    estimate = _submit_estimate(session, job, result, settings)
     now, lease_owner = utcnow(), job.ingest_owner  # (lock_job refreshes `job` itself: read it first)
     with write_transaction(session):
         current = lock_job(session, job.id)
@@ -239,13 +243,27 @@ def _ingest(session: Session, job: Job, stream: BinaryIO, limits: IngestLimits, 
         if current.status == JobStatus.VALIDATING:
             current.num_shards = make_shards(session, job_id=job.id, result=result,
                                              shard_size=job.shard_size, model=job.model,
-                                             priority=job.priority, max_attempts=max_attempts,
+                                             priority=job.priority, max_attempts=settings.max_attempts,
                                              routing=routing)
             current.status, current.in_progress_at = JobStatus.IN_PROGRESS, now
+            current.estimate = estimate
             return
         # cancelled or expired while validating: the lines read since then never run either
         stop_pending(session, job=current, status=JobStatus(current.status), now=now)
         finalize_if_done(session, job=current, now=now)
+
+
+def _submit_estimate(session: Session, job: Job, result: IngestResult, settings: Settings) -> dict | None:
+    """The estimate shown at submit, from ingest's counts (no second tokenizing pass); None when this
+    deployment's history cannot be read (the submit does not fail for it)."""
+    try:
+        return from_counts(session, model=job.model, requests=result.valid, invalid=result.invalid,
+                           max_output=result.max_output_tokens, uncapped=result.uncapped,
+                           settings=settings).as_dict()
+    except SQLAlchemyError:
+        logger.warning("batch_%d: no estimate at submit", job.id, exc_info=True)
+        session.rollback()
+        return None
 
 
 def _fail_job(session: Session, job_id: int, errors: list[dict[str, Any]],

@@ -189,6 +189,7 @@ def batch_object(job: Job, *, now: datetime | None = None, served_models: Collec
             "total_tokens": job.prompt_tokens + job.completion_tokens,
         },
         "max_total_tokens": job.max_total_tokens,  # extension: the token budget (None: none), store.budgets
+        "estimate": job.estimate,  # extension: the estimate made at submit (store.estimate.from_counts)
         "progress": _progress(job, now, waiting_note(job, served_models) if served_models is not None
                               else None, started_at, inflight),
         "result_cache": {"mode": job.result_cache or "use", "hits": job.result_cache_hits or 0,

@@ -1,6 +1,6 @@
 """Fair share under the production topology (issue 32): two owners, each with its own API key, share two
 Celery workers on PostgreSQL and Redis (`batchinfer api` + `beat` + `worker`s, each an OS process), driven
-through REST as the owners drive it and the CLI as the operator does.
+through the CLI and REST as the owners drive it (each with its key) and the CLI as the operator does.
 
 Owner alice submits a big job first; once it runs, bob submits a small one: bob's job completes while
 alice's is at most half done. Then one worker is killed with -9 in the middle of alice's job: bob's next
@@ -86,7 +86,12 @@ def test_two_owners_share_two_celery_workers_and_the_share_holds_through_a_kill_
         fleet: tuple[Topology, dict[str, str]]) -> None:
     topology, keys = fleet
     workers = topology.workers_exactly(2)
-    big, big_ids = _submit(topology, keys["alice"], "alice", BIG_LINES)
+    path = topology.tmp / "alice.jsonl"  # alice uses the CLI against the API, with her key
+    big_ids = write_chat_requests(path, BIG_LINES, max_tokens=MAX_TOKENS, prefix="alice")
+    printed = topology.cli_json("submit", str(path), remote=True,
+                                env={"BATCHINFER_API_KEY": keys["alice"]})[0]
+    big = printed["id"]
+    assert printed["estimate"]["max_output_tokens"] == BIG_LINES * MAX_TOKENS  # the estimate at submit
     wait_for(lambda: _batch(topology, keys["alice"], big)["request_counts"]["completed"] > 0, timeout=60,
              what="alice's job to run", on_timeout=topology.logs)
 

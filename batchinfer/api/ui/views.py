@@ -73,7 +73,8 @@ def _row(batch: dict[str, Any]) -> dict[str, Any]:
             "model_name": model_label(batch["model"] or ""),
             "live": batch["status"] not in JOB_TERMINAL_STATUSES,
             "cancellable": batch["status"] in JOB_CANCELLABLE_STATUSES, "tone": tone(batch["status"]),
-            "eta": duration(progress.get("eta_seconds")), "created": _clock(batch["created_at"])}
+            "eta": duration(progress.get("eta_seconds")), "created": _clock(batch["created_at"]),
+            "estimated": duration((batch.get("estimate") or {}).get("expected_seconds"))}
 
 
 def jobs_view(session: Session, *, owner: str | None, limit: int = JOBS_ON_PAGE) -> list[dict[str, Any]]:
