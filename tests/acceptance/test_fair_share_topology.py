@@ -110,7 +110,7 @@ def test_two_owners_share_two_celery_workers_and_the_share_holds_through_a_kill_
         "second job waited: the share did not hold")
 
     finished = wait_for(lambda: (batch := _batch(topology, keys["alice"], big))["status"] in
-                        ("completed", "failed") and batch, timeout=60, what="alice's job to end",
+                        ("completed", "failed") and batch, timeout=120, what="alice's job to end",
                         on_timeout=topology.logs)
     assert finished["status"] == "completed", finished
     for batch_id, ids in ((big, big_ids), (small, small_ids), (second, second_ids)):
