@@ -91,4 +91,5 @@ def json_type(value: Any) -> str:
         return "a boolean"
     if isinstance(value, int | float):
         return "a number" if math.isfinite(value) else "a non-finite number"
-    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+    names: dict[type, str] = {str: "a string", list: "an array", dict: "an object"}
+    return names.get(type(value), type(value).__name__)

@@ -296,8 +296,8 @@ class BlockManager:
             extra = self._extra_keys.get(keys)
             if extra is None:
                 # The base model's keys stay [namespace, salt]: its hashes are the ones before LoRA existed.
-                extra = json.dumps([self.namespace, *keys] if lora else [self.namespace, seq.cache_salt])
-                extra = extra.encode()
+                fields = [self.namespace, *keys] if lora else [self.namespace, seq.cache_salt]
+                extra = json.dumps(fields).encode()
                 self._extra_keys[keys] = extra
             for i in range(len(hashes), num_full):
                 parent = hashes[i - 1] if i else NONE_HASH

@@ -12,7 +12,7 @@ import itertools
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.llm_engine import Engine
@@ -109,7 +109,7 @@ class LLM:
         for i, prompt in enumerate(prompts):
             try:
                 text, ids = _prompt_fields(prompt)
-                token_ids.append(self.engine.tokenize(text if ids is None else ids))
+                token_ids.append(self.engine.tokenize(cast(str, text) if ids is None else ids))  # one is set
             except ValueError as exc:
                 raise ValueError(f"prompts[{i}]: {exc}") from None
             texts.append(text)

@@ -378,6 +378,8 @@ class Engine:
             self._itls.append(now - seq.last_token_time)
         seq.last_token_time = now
         if logprobs is not None:
+            if seq.logprobs is None or seq.cumulative_logprob is None:
+                raise RuntimeError("logprobs sampled for a sequence that did not ask for them")
             seq.logprobs.append(make_logprob_entry(self.tokenizer, token_id, logprobs))
             seq.cumulative_logprob += logprobs.logprob
         finished = check_stop(seq, token_id, self.eos_token_ids, self.max_model_len)

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -193,7 +193,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
             ) from exc
         raise
     # The weights are dequantized now; drop the GGUF quantizer so save_pretrained writes plain tensors.
-    model.hf_quantizer = None
+    cast(Any, model).hf_quantizer = None  # a transformers PreTrainedModel attribute
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -245,7 +245,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
     path = Path(path)
     params = dict(model.named_parameters())  # a tied head is not listed separately
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
-    expected = set()
+    expected: set[tuple[str, Any]] = set()
     for name in params:
         fused = [(key, shard) for key, (module, shard) in packed.items() if f".{module}." in name]
         if fused:
@@ -288,7 +288,8 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
     missing = expected - loaded
     head = ("lm_head.weight", None)
     if head in missing and hasattr(model, "lm_head") and hasattr(model, "model"):
-        model.lm_head.tie_to(model.model.embed_tokens)  # checkpoint without a head: tied embeddings
+        hf_model = cast(Any, model)  # an architecture of models/: lm_head and model.embed_tokens
+        hf_model.lm_head.tie_to(hf_model.model.embed_tokens)  # checkpoint without a head: tied embeddings
         missing.discard(head)
     if missing:
         names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)

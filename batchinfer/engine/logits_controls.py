@@ -19,6 +19,7 @@ is one indexed write.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Sequence_
 from typing import Any
 
 import torch
@@ -133,7 +134,7 @@ class ControlsCache:
         return controls
 
 
-def apply_logits_controls(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+def apply_logits_controls(logits: torch.Tensor, seqs: Sequence_[Sequence], rows: list[int],
                           cache: ControlsCache | None = None) -> None:
     """Apply each row's allowed_token_ids, bad_words and logit_bias to `logits`, in place: one batched add
     of the precomputed rows and one indexed write of the bad words' bans."""

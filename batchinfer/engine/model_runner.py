@@ -24,7 +24,7 @@ import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -39,6 +39,9 @@ from batchinfer.engine.loader import load_weights
 from batchinfer.engine.models import get_model_class
 from batchinfer.engine.quantization import pack_weights, quantization_format
 from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
+
+if TYPE_CHECKING:  # the one architecture; imported for types only
+    from batchinfer.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +122,9 @@ class ModelRunner:
         if config.enable_lora:
             from batchinfer.engine.lora.manager import LoRAManager
 
+            if config.max_cpu_loras is None:  # EngineConfig.__post_init__ sets it (default max_loras)
+                raise ValueError("max_cpu_loras: unset; build the config through EngineConfig")
+
             self.lora_manager = LoRAManager(self.hf_config, max_lora_rank=config.max_lora_rank,
                                             max_cpu_loras=config.max_cpu_loras, dtype=self.dtype,
                                             device=self.device)
@@ -145,7 +151,7 @@ class ModelRunner:
                 f"the KV cache budget holds no block of {self.block_bytes} bytes; raise "
                 "kv_cache_memory_bytes (CPU), gpu_memory_utilization (CUDA) or set num_kv_blocks"
             )
-        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        self.kv_cache: torch.Tensor | None = self._allocate_kv_cache(self.num_kv_blocks)  # None: released
         if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
             self.decode_graphs.capture(self.model, hidden_size=self.hf_config.hidden_size, dtype=self.dtype,
                                        device=self.device)
@@ -209,6 +215,9 @@ class ModelRunner:
         budget = total * config.gpu_memory_utilization - (total - free) - (peak - current)
         if config.enable_lora:  # room for the adapters kept loaded (they come after this profile)
             from batchinfer.engine.lora.adapter import max_adapter_bytes
+
+            if config.max_cpu_loras is None:  # EngineConfig.__post_init__ sets it (default max_loras)
+                raise ValueError("max_cpu_loras: unset; build the config through EngineConfig")
 
             budget -= config.max_cpu_loras * max_adapter_bytes(
                 self.hf_config, max_lora_rank=config.max_lora_rank, itemsize=self.dtype.itemsize,
@@ -314,7 +323,7 @@ class ModelRunner:
             finally:
                 set_context(None)
             hidden = hidden.index_select(0, batch.logits_indices)
-        return self.model.compute_logits(hidden).float()
+        return cast("LlamaForCausalLM", self.model).compute_logits(hidden).float()
 
     @torch.inference_mode()
     def embed(self, token_id_lists: Sequence[list[int]]) -> list[list[float]]:

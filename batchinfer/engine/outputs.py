@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:  # both for annotations only: this module stays free of torch
     from batchinfer.engine.sampler import SampleLogprobs
@@ -132,6 +132,6 @@ def make_request_output(group: SequenceGroup) -> RequestOutput:
             first_token_time=min(
                 (s.first_token_time for s in seqs if s.first_token_time is not None), default=None
             ),
-            finished_time=None if None in finished_times else max(finished_times),
+            finished_time=None if None in finished_times else max(cast("list[float]", finished_times)),
         ),
     )

@@ -31,7 +31,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -263,7 +263,7 @@ class PipelineParallelRunner:
             time.sleep(0.05)
         return dead
 
-    def _fail(self, exc: BaseException, dead: dict[int, str]) -> None:
+    def _fail(self, exc: BaseException, dead: dict[int, str]) -> NoReturn:
         if dead:
             who = ", ".join(f"{self.topology.describe(rank)} ({why})" for rank, why in sorted(dead.items()))
             message = f"pipeline-parallel {who} died; the engine cannot continue ({exc})"

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,9 @@ from batchinfer.engine.models import get_model_class
 from batchinfer.engine.models.pipeline_stage import PipelineStage
 from batchinfer.engine.resolved_model import ResolvedModel
 from batchinfer.engine.runner_protocol import EMBEDDINGS_NEED_ONE_STAGE
+
+if TYPE_CHECKING:  # the one architecture; imported for types only
+    from batchinfer.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -249,13 +253,16 @@ class StageRunner(ModelRunner):
             set_context(None)
         if not self.stage.is_last:
             return out
-        return self.model.compute_logits(out.index_select(0, batch.logits_indices)).float()
+        model = cast("LlamaForCausalLM", self.model)
+        logits = model.compute_logits(out.index_select(0, batch.logits_indices))
+        return logits.float()
 
     def execute_model(
-        self, scheduled: list[tuple[Any, int]], logits_counts: list[int] | None = None
+        self, scheduled: Sequence[tuple[Any, int]], logits_counts: Sequence[int] | None = None
     ) -> torch.Tensor:
         """The stage alone (the CUDA profiling forward calls this)."""
-        return self.run_stage(scheduled, logits_counts, None)
+        counts = None if logits_counts is None else list(logits_counts)
+        return self.run_stage(list(scheduled), counts, None)
 
     def embed(self, token_id_lists: Any) -> list[list[float]]:
         """Embeddings pool the final hidden state, which no single stage has."""

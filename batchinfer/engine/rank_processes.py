@@ -71,7 +71,9 @@ def _main_script_hidden() -> Iterator[None]:
     if main is None:
         yield
         return
-    saved = {key: main.__dict__[key] for key in ("__file__", "__spec__") if key in main.__dict__}
+    saved: dict[str, Any] = {
+        key: main.__dict__[key] for key in ("__file__", "__spec__") if key in main.__dict__
+    }
     main.__dict__.pop("__file__", None)
     if "__spec__" in saved:
         main.__spec__ = None

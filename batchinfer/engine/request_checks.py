@@ -30,7 +30,7 @@ def prompt_token_ids(tokenizer: Any, prompt: Any, *, vocab_size: int, add_specia
 
 def check_param_token_ids(params: SamplingParams, *, vocab_size: int) -> None:
     """stop_token_ids, allowed_token_ids and logit_bias name only ids of the vocabulary."""
-    for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids",
+    for name, ids in (("stop_token_ids", params.stop_token_ids or ()), ("allowed_token_ids",
                       params.allowed_token_ids or ()), ("logit_bias", params.logit_bias or ())):
         outside = [i for i in ids if i >= vocab_size]
         if outside:

@@ -258,14 +258,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _min_tokens_bans(seqs: list[Sequence], eos: AbstractSet[int]) -> tuple[list[int], list[int]]:
+def _min_tokens_bans(seqs: Sequence_[Sequence], eos: AbstractSet[int]) -> tuple[list[int], list[int]]:
     """(rows, token ids) to mask: EOS and stop token ids of sequences still short of min_tokens."""
     rows: list[int] = []
     cols: list[int] = []
     for i, seq in enumerate(seqs):
         params = seq.params
         if params.min_tokens and seq.num_output_tokens < params.min_tokens:
-            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
+            banned = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else eos)
             rows.extend([i] * len(banned))
             cols.extend(banned)
     return rows, cols
@@ -290,11 +290,11 @@ def gather_logprobs(
     ranks = ((raw > token_logprob).sum(dim=1) + 1).tolist()
     num_top = max(n or 0 for n in wanted)
     top_values, top_ids = raw.topk(num_top, dim=-1) if num_top else (raw[:, :0], raw[:, :0].long())
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top_value_lists, top_id_lists = top_values.tolist(), top_ids.tolist()
     return [
         SampleLogprobs(logprob=lp, rank=rank, top_token_ids=ids[: n or 0], top_logprobs=vals[: n or 0])
         for lp, rank, ids, vals, n in zip(
-            token_logprob.squeeze(1).tolist(), ranks, top_ids, top_values, wanted, strict=True
+            token_logprob.squeeze(1).tolist(), ranks, top_id_lists, top_value_lists, wanted, strict=True
         )
     ]
 

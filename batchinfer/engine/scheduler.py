@@ -130,12 +130,13 @@ class Scheduler:
 
         loras = self._running_loras() if self.max_loras is not None else None
         while budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self._peek_waiting()
-            if seq is None:
+            waiting = self._peek_waiting()
+            if waiting is None:
                 break
+            seq = waiting
             lora = seq.lora_request
             if loras is not None and lora is not None and lora.lora_int_id not in loras:
-                if len(loras) >= self.max_loras:
+                if self.max_loras is not None and len(loras) >= self.max_loras:
                     break  # a step carries at most max_loras adapters: wait for one to drain
                 loras.add(lora.lora_int_id)
             if seq.needs_prompt_logprobs:

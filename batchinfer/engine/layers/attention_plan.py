@@ -114,7 +114,10 @@ def build_torch_plan(
         n = len(members)
         q_max = max(q for _, q, _ in members)
         nb_max = max(nb for _, _, nb in members)
-        token_index, valid_rows, out_index, block_ids = [], [], [], []
+        token_index: list[int] = []
+        valid_rows: list[int] = []
+        out_index: list[int] = []
+        block_ids: list[int] = []
         for i, (s, q_len, nb) in enumerate(members):
             first = starts[s]
             token_index.extend(first + min(r, q_len - 1) for r in range(q_max))

@@ -32,7 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.per_rank
         self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # torch's Parameter takes ad-hoc attributes
         # Set after loading by quantization="gguf" (gguf_weights): ids -> rows de-quantized from the file's
         # blocks, the dense table then released.
         self.lookup: Callable[[torch.Tensor], torch.Tensor] | None = None

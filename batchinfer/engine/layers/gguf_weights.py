@@ -26,11 +26,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # the packed model is Llama's; imported for types only (models import layers)
+    from batchinfer.engine.layers.linear import LinearBase
+    from batchinfer.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +106,14 @@ class BlockWeight:
             return (q * self.d[..., None]).reshape(rows, columns)
         nibbles = self.codes.reshape(rows, groups, GROUP_SIZE // 2)
         q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
+        if self.m is None:
+            raise ValueError(f"{self.kind} blocks carry no offsets m")
         return (q * self.d[..., None] + self.m[..., None]).reshape(rows, columns)
 
     @staticmethod
     def stack(parts: list[BlockWeight]) -> BlockWeight:
         """Row-stack matrices of one kind (a fused qkv / gate_up)."""
-        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        m = None if parts[0].m is None else torch.cat([cast(torch.Tensor, p.m) for p in parts])  # one kind
         codes, d = torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts])
         return BlockWeight(parts[0].kind, codes, d, m)
 
@@ -236,12 +242,13 @@ def pack_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> tuple[set[nn.Mo
     a tied head both run on blocks). Raises GGUFMismatchError when blocks do not reproduce a loaded weight.
     """
     reader = _Reader(gguf_path)
-    config = model.config
+    llama = cast("LlamaForCausalLM", model)
+    config = llama.config
     packed: set[nn.Module] = set()
     skipped: list[str] = []
-    for index, layer in enumerate(model.model.layers):
+    for index, layer in enumerate(llama.model.layers):
         for module_name, parts in GGUF_PARTS.items():
-            module = layer.get_submodule(module_name)
+            module = cast("LinearBase", layer.get_submodule(module_name))
             blocks = reader.layer_blocks(index, parts, config)
             if blocks is None:
                 skipped.append(f"layers.{index}.{module_name}")
@@ -250,7 +257,7 @@ def pack_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> tuple[set[nn.Mo
             reader.check(blocks, module.weight, name, f"layers.{index}.{module_name}")
             module.packed = block_linear(blocks, module.effective_bias(), module.weight.dtype)
             packed.add(module)
-    embedding, head = model.model.embed_tokens, model.lm_head
+    embedding, head = llama.model.embed_tokens, llama.lm_head
     table = reader.blocks("token_embd.weight")
     if table is not None:
         reader.check(table, embedding.weight, "token_embd", "embed_tokens")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -37,6 +37,10 @@ from torch import nn
 from batchinfer.engine.distributed import tp_world_size
 from batchinfer.engine.layers.context import AttentionContext, set_context
 from batchinfer.engine.layers.linear import LinearBase
+
+if TYPE_CHECKING:  # the smoothed model is Llama's; imported for types only (models import layers)
+    from batchinfer.engine.layers.norm import RMSNorm
+    from batchinfer.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 SMOOTHING_ALPHA = 0.5  # share of the activation range moved into the weights (0: none, 1: all)
 # Bounds of s_j: a channel the calibration text barely touches must not get a huge weight column (and a
@@ -155,7 +159,7 @@ def _scale_(param: torch.Tensor, factor: torch.Tensor) -> None:
     param.copy_(param.float() * factor)
 
 
-def _smooth_o_proj(attn: nn.Module, x_max: torch.Tensor, alpha: float) -> None:
+def _smooth_o_proj(attn: LlamaAttention, x_max: torch.Tensor, alpha: float) -> None:
     """o_proj columns (h, d) *= s[h // group, d]; v rows (kv head, d) /= s (one s per kv head and dim)."""
     qkv, o_proj = attn.qkv_proj, attn.o_proj
     kv_heads, dim = attn.num_kv_heads, attn.head_dim
@@ -171,7 +175,7 @@ def _smooth_o_proj(attn: nn.Module, x_max: torch.Tensor, alpha: float) -> None:
         _scale_(qkv.bias.data[v_start:], (1 / s).reshape(-1))
 
 
-def _smooth_down_proj(mlp: nn.Module, x_max: torch.Tensor, alpha: float) -> None:
+def _smooth_down_proj(mlp: LlamaMLP, x_max: torch.Tensor, alpha: float) -> None:
     """down_proj column j *= s_j; the up row j of gate_up_proj (and its bias) /= s_j."""
     gate_up, down = mlp.gate_up_proj, mlp.down_proj
     s = smoothing_factors(x_max, down.weight.detach().float().abs().amax(dim=0), alpha)
@@ -182,7 +186,7 @@ def _smooth_down_proj(mlp: nn.Module, x_max: torch.Tensor, alpha: float) -> None
         _scale_(gate_up.bias.data[up_start:], 1 / s)
 
 
-def _smooth_after_norm(norm: nn.Module, linear: nn.Module, x_max: torch.Tensor, alpha: float) -> None:
+def _smooth_after_norm(norm: RMSNorm, linear: LinearBase, x_max: torch.Tensor, alpha: float) -> None:
     """linear column j *= s_j; the norm weight j (the only scale between x / rms(x) and the linear) /= s_j."""
     s = smoothing_factors(x_max, linear.weight.detach().float().abs().amax(dim=0), alpha)
     _scale_(linear.weight.data, s.view(1, -1))
@@ -198,7 +202,8 @@ def smooth_for_int8(model: nn.Module, token_id_lists: Sequence[list[int]], alpha
     """
     alpha = SMOOTHING_ALPHA if alpha is None else alpha
     maxima = input_channel_maxima(model, token_id_lists)
-    layers = list(model.model.stage_layers)
+    llama = cast("LlamaForCausalLM", model)
+    layers = cast("list[LlamaDecoderLayer]", list(llama.model.stage_layers))
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         _smooth_o_proj(attn, maxima[attn.o_proj], alpha)

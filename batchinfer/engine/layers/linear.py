@@ -56,10 +56,10 @@ class LinearBase(nn.Module):
         self.tp_size = tp_world_size()
         # torch.empty: the loader overwrites every element, so skip nn.Linear's costly random init.
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # torch's Parameter takes ad-hoc attributes
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # torch's Parameter takes ad-hoc attributes
         else:
             self.register_parameter("bias", None)
         # Set after loading by weight_packing.pack_linears (oneDNN / int8 kernel, bias included).

@@ -109,6 +109,9 @@ def compute_inv_freq(
 class RotaryEmbedding(nn.Module):
     """Applies rotary embeddings to packed q [T, H, D] and k [T, Hkv, D] at the given absolute positions."""
 
+    cos_cache: torch.Tensor  # buffers registered in __init__
+    sin_cache: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,

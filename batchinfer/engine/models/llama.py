@@ -162,6 +162,8 @@ class LlamaModel(nn.Module):
         for layer in self.stage_layers:
             hidden_states, residual = layer(rope, hidden_states, residual)
         if not self.stage.is_last:
+            if residual is None:
+                raise ValueError(f"pipeline stage {self.stage} holds no decoder layer")
             return hidden_states + residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
