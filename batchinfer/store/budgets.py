@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import String, cast, literal, select, update
 from sqlalchemy.orm import Session
 
+from batchinfer.store.db import rowcount
 from batchinfer.store.errors import JobError
 from batchinfer.store.models import LINE_BITS, Job, Request, RequestStatus, Shard, ShardStatus, request_id_for
 
@@ -76,11 +77,11 @@ def stop_spent_job(session: Session, *, job: Job, now: datetime) -> int:
     returns how many lines were errored. In the caller's transaction (job row locked)."""
     message = literal("line ") + cast(Request.line_number, String) + literal(f": {_message(job)}")
     lines = Request.id.between(request_id_for(job.id, 0), request_id_for(job.id + 1, 0) - 1)  # primary key
-    errored = session.execute(
+    errored = rowcount(session.execute(
         update(Request).where(lines, Request.status == RequestStatus.PENDING)
         .values(status=RequestStatus.ERRORED, error_code=BUDGET_EXCEEDED, error_message=message,
                 finished_at=now)
-        .execution_options(synchronize_session=False)).rowcount
+        .execution_options(synchronize_session=False)))
     if errored:
         session.execute(update(Job).where(Job.id == job.id)
                         .values(failed_requests=Job.failed_requests + errored)

@@ -18,8 +18,9 @@ import contextlib
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, cast
 
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import CursorResult, Engine, Result, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -180,3 +181,8 @@ def upgrade(url: str, revision: str = "head") -> None:
     from alembic import command
 
     command.upgrade(alembic_config(url), revision)
+
+
+def rowcount(result: Result[Any]) -> int:
+    """Rows an UPDATE or DELETE matched (Session.execute is typed as Result; DML gives a CursorResult)."""
+    return cast(CursorResult[Any], result).rowcount

@@ -17,13 +17,14 @@ Served tokens are recorded with each write of results (shards.write_results), in
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import ColumnElement, Float, Select, cast, delete, func, select
+from sqlalchemy import ColumnExpressionArgument, Float, Select, cast, delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from batchinfer.store.db import is_sqlite
+from batchinfer.store.db import is_sqlite, rowcount
 from batchinfer.store.models import ApiKey, Job, OwnerServed, Shard, ShardStatus
 
 FAIR_SHARE_WINDOW_S = 600.0  # how far back tokens served count: long enough to smooth, short enough to forget
@@ -55,8 +56,8 @@ def served_tokens(results: list[dict]) -> int:
 def prune_served(session: Session, *, now: datetime, window_seconds: float = FAIR_SHARE_WINDOW_S) -> int:
     """In the caller's transaction: delete ledger minutes older than the window; returns how many."""
     oldest = minute_of(now) - int(window_seconds // MINUTE_S) - 1
-    return session.execute(delete(OwnerServed).where(OwnerServed.minute < oldest)
-                           .execution_options(synchronize_session=False)).rowcount
+    return rowcount(session.execute(delete(OwnerServed).where(OwnerServed.minute < oldest)
+                           .execution_options(synchronize_session=False)))
 
 
 def owner_weight(session: Session, *, owner: str) -> float:
@@ -67,7 +68,7 @@ def owner_weight(session: Session, *, owner: str) -> float:
 
 
 def fair_order(pick: Select, *, now: datetime, window_seconds: float = FAIR_SHARE_WINDOW_S
-               ) -> tuple[Select, list[ColumnElement]]:
+               ) -> tuple[Select, list[ColumnExpressionArgument[Any]]]:
     """Join `pick` (a select over shards) with what the rule needs; returns it and its ORDER BY terms."""
     since = minute_of(now) - int(window_seconds // MINUTE_S)
     usage = (select(OwnerServed.owner, func.sum(OwnerServed.tokens).label("tokens"))
@@ -84,7 +85,7 @@ def fair_order(pick: Select, *, now: datetime, window_seconds: float = FAIR_SHAR
             .outerjoin(weights, weights.c.owner == Job.owner)
             .outerjoin(running, running.c.owner == Job.owner))
     weight = func.coalesce(weights.c.weight, 1.0)
-    order = [cast(func.coalesce(usage.c.tokens, 0), Float) / weight,
+    order: list[ColumnExpressionArgument[Any]] = [cast(func.coalesce(usage.c.tokens, 0), Float) / weight,
              cast(func.coalesce(running.c.shards, 0), Float) / weight,
              Shard.priority, Job.expires_at.asc().nulls_last(), Shard.id]
     return pick, order

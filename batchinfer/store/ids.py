@@ -12,7 +12,9 @@ has a second bound: a request's key is job_id << LINE_BITS | line (models.reques
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column
+from typing import Any
+
+from sqlalchemy import BigInteger, ColumnElement
 
 from batchinfer.store.models import LINE_BITS, File, Job
 
@@ -20,7 +22,7 @@ INT32_MAX = 2**31 - 1  # PostgreSQL INTEGER (SQLite's INTEGER PRIMARY KEY is 64-
 INT64_MAX = 2**63 - 1  # PostgreSQL BIGINT, SQLite INTEGER
 
 
-def column_max(column: Column) -> int:
+def column_max(column: ColumnElement[Any]) -> int:
     """The largest value `column` holds on both databases (BIGINT: 64-bit, other integers: 32-bit)."""
     return INT64_MAX if isinstance(column.type, BigInteger) else INT32_MAX
 

@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine, Insert, Table, select
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -143,7 +143,10 @@ def _reinsert_duplicate(connection: Connection, row: tuple) -> Duplicate:
 
 def _copy(connection: Connection, rows: list[tuple]) -> None:
     columns = ", ".join(_ROW_COLUMNS)
-    with connection.connection.driver_connection.cursor() as cursor, \
+    driver = connection.connection.driver_connection  # psycopg's: COPY is PostgreSQL's
+    if driver is None:
+        raise RuntimeError("the connection is closed")
+    with driver.cursor() as cursor, \
             cursor.copy(f"COPY {Request.__tablename__} ({columns}) FROM STDIN") as copy:
         for row in rows:
             copy.write_row(row)
@@ -153,8 +156,13 @@ def _insert_sql(dialect: Any) -> str:
     """INSERT ... ON CONFLICT DO NOTHING of a request row, compiled once per dialect to driver SQL."""
     cached = _INSERT_SQL.get(dialect.name)
     if cached is None:
-        insert = {"sqlite": sqlite_insert, "postgresql": postgresql_insert}[dialect.name]
-        statement = insert(Request.__table__).on_conflict_do_nothing()
+        table = Request.__table__
+        if not isinstance(table, Table):
+            raise TypeError(f"{Request.__name__}.__table__ is not a Table")
+        if dialect.name == "sqlite":
+            statement: Insert = sqlite_insert(table).on_conflict_do_nothing()
+        else:
+            statement = postgresql_insert(table).on_conflict_do_nothing()
         positional = type(dialect)(paramstyle="qmark" if dialect.name == "sqlite" else "format")
         compiled = statement.compile(dialect=positional, column_keys=list(_ROW_COLUMNS))
         assert tuple(compiled.positiontup or ()) == _ROW_COLUMNS, compiled

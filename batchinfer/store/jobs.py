@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from sqlalchemy import Column, Engine, delete, select, update
+from sqlalchemy import ColumnElement, Engine, delete, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -75,7 +75,7 @@ def canonical_completion_window(window: str) -> str:
     return f"{int(match.group(1))}{match.group(2)}"
 
 
-def check_stored_text(value: str, *, field: str, column: Column) -> None:
+def check_stored_text(value: str, *, field: str, column: ColumnElement[Any]) -> None:
     """JobError naming `field` unless `value` can be stored in `column` as given (both databases).
 
     PostgreSQL text cannot hold the NUL character and a VARCHAR(n) refuses longer values: either would
@@ -154,13 +154,14 @@ def submit_job(
             return existing
     file = open(path, "rb") if path is not None else None  # noqa: SIM115 - closed below; fail before creating
     now = utcnow()
+    ingest_owner = new_ingest_owner()
     job = Job(owner=owner, model=model, endpoint=endpoint, status=JobStatus.VALIDATING,
               input_file_id=input_file_id, input_path=str(path) if path is not None else None,
               completion_window=window, priority=priority, shard_size=shard_size, on_invalid=on_invalid,
               meta=metadata, idempotency_key=idempotency_key, created_at=now, expires_at=now + window_delta,
               max_total_tokens=max_total_tokens,
               output_expires_after=output_expires_after, result_cache=result_cache,
-              ingest_owner=new_ingest_owner(),
+              ingest_owner=ingest_owner,
               ingest_lease_expires_at=now + timedelta(seconds=settings.ingest_lease_seconds))
     try:
         with write_transaction(session):
@@ -177,10 +178,13 @@ def submit_job(
         if existing is None:
             raise
         return existing
+    source = file or stream
+    if source is None:  # checked above: exactly one of path= and stream=
+        raise JobError("give exactly one of path= or stream=")
     try:
-        with IngestLease.of_session(session, job_id=job.id, owner=job.ingest_owner,
+        with IngestLease.of_session(session, job_id=job.id, owner=ingest_owner,
                                     lease_seconds=settings.ingest_lease_seconds) as lease:
-            _ingest(session, job, file or stream, limits, settings, lease.check, served_names, adapter_names)
+            _ingest(session, job, source, limits, settings, lease.check, served_names, adapter_names)
     except IngestLeaseLost:  # the rescuer failed the job meanwhile: drop what this submit wrote since
         session.rollback()
         with write_transaction(session):

@@ -92,7 +92,7 @@ def estimate(*, total: int, done: int, worker_done: int, finished_tokens: int, i
     if cap is None and mean is None:
         return Estimate(generated, round(rate, 2), None, None)
     used = 1.0 if cap is None or mean is None else min(1.0, mean / max(cap, 1.0))
-    per_request = mean if cap is None else cap * used
+    per_request = cap * used if cap is not None else (mean or 0.0)  # not both None: returned above
     # Requests still running are those that outlived the ones finished (the short ones finish first), so
     # their budget left is expected in full; the unclaimed ones are like the finished ones.
     remaining = max(inflight.budget - inflight.tokens, 0) + unclaimed * per_request

@@ -21,7 +21,9 @@ early answers (an upload refused before its bytes land); the reservation is what
 
 from __future__ import annotations
 
-from sqlalchemy import case, func, select, update
+from sqlalchemy import Insert, case, func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings
@@ -51,11 +53,10 @@ def lock_owner(session: Session, *, owner: str) -> OwnerUsage:
                       with_for_update=None if is_sqlite(session) else True)
     if row is None:
         if is_sqlite(session):
-            from sqlalchemy.dialects.sqlite import insert
+            statement: Insert = sqlite_insert(OwnerUsage).on_conflict_do_nothing(index_elements=["owner"])
         else:
-            from sqlalchemy.dialects.postgresql import insert
-        session.execute(insert(OwnerUsage).values(owner=owner, stored_bytes=0)
-                        .on_conflict_do_nothing(index_elements=["owner"]))
+            statement = pg_insert(OwnerUsage).on_conflict_do_nothing(index_elements=["owner"])
+        session.execute(statement.values(owner=owner, stored_bytes=0))
         row = session.get(OwnerUsage, owner, populate_existing=True,
                           with_for_update=None if is_sqlite(session) else True)
     assert row is not None  # inserted above, or by a concurrent writer whose commit we waited for

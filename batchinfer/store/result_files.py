@@ -24,7 +24,7 @@ from typing import Literal
 from sqlalchemy import delete, exists, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from batchinfer.store.db import end_transaction, write_transaction
+from batchinfer.store.db import end_transaction, rowcount, write_transaction
 from batchinfer.store.export import EXPORT_STATUSES, export_results
 from batchinfer.store.jobs import get_job
 from batchinfer.store.models import JOB_TERMINAL_STATUSES, Job, Request, request_id_for
@@ -113,9 +113,9 @@ def record_result_sizes(session: Session, *, job_id: int) -> Job | None:
     sizes = {kind: sum(map(len, export_results(session, job_id=job_id, kind=_export_kind(kind))))
              if _counted(job, kind) else 0 for kind in RESULT_KINDS}
     with write_transaction(session):
-        stored = session.execute(update(Job).where(Job.id == job_id, Job.output_bytes.is_(None))
+        stored = rowcount(session.execute(update(Job).where(Job.id == job_id, Job.output_bytes.is_(None))
                                  .values(output_bytes=sizes["output"], error_bytes=sizes["error"])
-                                 .execution_options(synchronize_session=False)).rowcount
+                                 .execution_options(synchronize_session=False)))
         if stored:
             charge_storage(session, owner=job.owner, delta=sizes["output"] + sizes["error"])
     session.refresh(job)
@@ -163,8 +163,8 @@ def delete_result_file(session: Session, *, owner: str, job_id: int, kind: Resul
     with write_transaction(session):
         session.execute(delete(Request).where(*_rows_of(job_id, kind)).execution_options(
             synchronize_session=False))
-        if session.execute(update(Job).where(Job.id == job_id, column == size).values({column: 0})
-                           .execution_options(synchronize_session=False)).rowcount:
+        if rowcount(session.execute(update(Job).where(Job.id == job_id, column == size).values({column: 0})
+                           .execution_options(synchronize_session=False))):
             charge_storage(session, owner=owner, delta=-size)  # its bytes are the owner's again
         _release_request_bytes_once_no_row_is_left(session, owner=owner, job_id=job_id)
     return True
@@ -176,6 +176,6 @@ def _release_request_bytes_once_no_row_is_left(session: Session, *, owner: str, 
     left = session.scalar(select(Request.id).where(Request.id > request_id_for(job_id, 0),
                                                    Request.id < request_id_for(job_id + 1, 0)).limit(1))
     held = None if left is not None else session.scalar(select(Job.request_bytes).where(Job.id == job_id))
-    if held and session.execute(update(Job).where(Job.id == job_id, Job.request_bytes == held)
-                                .values(request_bytes=0).execution_options(synchronize_session=False)).rowcount:
+    if held and rowcount(session.execute(update(Job).where(Job.id == job_id, Job.request_bytes == held)
+                                .values(request_bytes=0).execution_options(synchronize_session=False))):
         charge_storage(session, owner=owner, delta=-held)

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import delete, func, or_, select
+from sqlalchemy import ColumnElement, delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings
-from batchinfer.store.db import end_transaction, write_transaction
+from batchinfer.store.db import end_transaction, rowcount, write_transaction
 from batchinfer.store.models import (
     JOB_TERMINAL_STATUSES,
     LINE_BITS,
@@ -57,7 +57,7 @@ def purge(session: Session, *, settings: Settings, now: datetime | None = None) 
     end_transaction(session)
     for file_id, path, owner, size in expired_files:
         with write_transaction(session):
-            if session.execute(delete(File).where(File.id == file_id)).rowcount:
+            if rowcount(session.execute(delete(File).where(File.id == file_id))):
                 charge_storage(session, owner=owner, delta=-size)  # its bytes are the owner's again
         if path:
             with contextlib.suppress(OSError):
@@ -83,7 +83,7 @@ def _jobs_to_purge(session: Session, *, settings: Settings, now: datetime) -> li
     ended = func.coalesce(Job.completed_at, Job.cancelled_at, Job.expired_at, Job.failed_at)
     finished = Job.status.in_(JOB_TERMINAL_STATUSES)
     retention = settings.finished_job_retention_seconds
-    conditions = [Job.output_expires_after.is_not(None)]
+    conditions: list[ColumnElement[bool]] = [Job.output_expires_after.is_not(None)]
     if retention is not None:
         conditions.append(ended <= now - timedelta(seconds=retention))
     due: list[int] = []

@@ -166,6 +166,8 @@ def next_slot(schedule: Schedule, *, after: datetime) -> datetime:
 def due_slots(schedule: Schedule, *, now: datetime) -> tuple[list[datetime], datetime | None]:
     """(slots in (last_slot_at, now] this tick runs after the catch-up policy, the newest slot passed)."""
     zone = ZoneInfo(schedule.timezone)
+    if schedule.last_slot_at is None:  # set when the schedule is created
+        raise ValueError(f"schedule {schedule.id}: last_slot_at is not set")
     itr = croniter(schedule.cron, schedule.last_slot_at.astimezone(zone))
     slots: list[datetime] = []
     while len(slots) < MAX_SLOTS_PER_TICK:

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from batchinfer.engine.sampling_params import SamplingParams
 from batchinfer.store import budgets, fair_share
-from batchinfer.store.db import end_transaction, is_sqlite, single_flight, write_transaction
+from batchinfer.store.db import end_transaction, is_sqlite, rowcount, single_flight, write_transaction
 from batchinfer.store.errors import LeaseLost
 from batchinfer.store.ingest_lease import fail_lost_ingests
 from batchinfer.store.models import Job, JobStatus, Request, RequestStatus, Shard, ShardStatus, utcnow
@@ -133,7 +133,7 @@ def heartbeat(session: Session, *, shard_id: int, lease_token: str, lease_second
             update(Shard).where(Shard.id == shard_id, Shard.lease_token == lease_token,
                                 Shard.status == ShardStatus.RUNNING, Shard.job_id.in_(active_jobs))
             .values(**values).execution_options(synchronize_session=False))
-    return result.rowcount == 1
+    return rowcount(result) == 1
 
 
 def pending_requests(session: Session, *, shard_id: int) -> list[PendingRequest]:
@@ -142,7 +142,7 @@ def pending_requests(session: Session, *, shard_id: int) -> list[PendingRequest]
     if shard is None:
         raise LookupError(f"shard {shard_id} not found")
     order = {request_id: position for position, request_id in enumerate(shard.request_ids)}
-    rows = []
+    rows: list[Any] = []  # Rows of the select below: a pending request's columns are all set
     for ids in _batches(list(order)):
         rows += session.execute(
             select(Request.id, Request.custom_id, Request.line_number, Request.endpoint, Request.payload)
@@ -202,11 +202,11 @@ def _error_pending(session: Session, shard: Shard, job: Job, code: str, message:
     count = 0
     line_message = literal("line ") + cast(Request.line_number, String) + literal(f": {message}")
     for ids in _batches(shard.request_ids):
-        count += session.execute(
+        count += rowcount(session.execute(
             update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.PENDING)
             .values(status=RequestStatus.ERRORED, error_code=code, error_message=line_message,
                     finished_at=now)
-            .execution_options(synchronize_session=False)).rowcount
+            .execution_options(synchronize_session=False)))
     if count:
         job.failed_requests += count
     return count

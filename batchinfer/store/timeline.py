@@ -41,7 +41,8 @@ def first_claims(session: Session, *, job_ids: Collection[int]) -> dict[int, dat
                            .where(Shard.job_id.in_(sorted(job_ids)), Shard.started_at.is_not(None))
                            .group_by(Shard.job_id)).all()
     end_transaction(session)
-    return {job_id: started for job_id, started in rows}  # MIN keeps the column type: aware UTC
+    # MIN keeps the column type: aware UTC (never NULL: the WHERE above)
+    return {job_id: started for job_id, started in rows if started is not None}
 
 
 def first_claim(session: Session, *, job_id: int) -> datetime | None:

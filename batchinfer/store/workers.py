@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from batchinfer.store.db import end_transaction, write_transaction
+from batchinfer.store.db import end_transaction, rowcount, write_transaction
 from batchinfer.store.models import Shard, ShardStatus, Worker, utcnow
 
 WORKER_LIVE_S = 60.0  # a worker that heartbeated within this long (and did not stop) counts as live
@@ -58,7 +58,7 @@ def worker_heartbeat(session: Session, *, worker_id: str, now: datetime | None =
     with write_transaction(session):
         result = session.execute(update(Worker).where(Worker.id == worker_id).values(**values)
                                  .execution_options(synchronize_session=False))
-    return result.rowcount == 1
+    return rowcount(result) == 1
 
 
 def deregister_worker(session: Session, *, worker_id: str, now: datetime | None = None) -> None:
@@ -85,7 +85,7 @@ def list_workers(session: Session, *, live_within_seconds: float = WORKER_LIVE_S
     """Workers with their running shards; live = heartbeat within `live_within_seconds` and not stopped."""
     now = now or utcnow()
     cutoff = now - timedelta(seconds=live_within_seconds)
-    held: dict[str, list[int]] = {}
+    held: dict[str | None, list[int]] = {}  # by lease owner (a worker id)
     for shard_id, owner in session.execute(select(Shard.id, Shard.lease_owner)
                                            .where(Shard.status == ShardStatus.RUNNING).order_by(Shard.id)):
         held.setdefault(owner, []).append(shard_id)
