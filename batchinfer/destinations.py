@@ -56,6 +56,8 @@ def pinned_webhook_request(url: str, *, allow_private: bool) -> PinnedRequest:
     if address is None:
         return PinnedRequest(url, {}, {})
     parts = urlsplit(url)
+    if parts.hostname is None:  # check_webhook_url refused such a URL
+        raise ValueError(f"{url}: no host")
     host = f"[{address}]" if address.version == 6 else str(address)
     netloc = host if parts.port is None else f"{host}:{parts.port}"
     pinned = urlunsplit(parts._replace(netloc=netloc))

@@ -104,7 +104,8 @@ class NormalizedRequest:
 
     def payload(self) -> dict[str, Any]:
         """What the requests table stores for a worker: the prompt or messages, and the params."""
-        out = {"prompt": self.prompt} if self.messages is None else {"messages": self.messages}
+        out: dict[str, Any] = (
+            {"prompt": self.prompt} if self.messages is None else {"messages": self.messages})
         out["params"] = self.params.to_dict()
         if self.options:
             out["options"] = self.options
@@ -320,8 +321,9 @@ def check_sampling_fields(fields: dict[str, Any]) -> None:
         allowed = ", ".join(sorted(_DEFAULTABLE_FIELDS))
         raise LineError(f"not a sampling field; defaults may set only {allowed}", param=sorted(unknown)[0])
     checked = [_check_options(endpoint, fields) for endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS)]
-    if all(isinstance(result, LineError) for result in checked):
-        raise checked[0]
+    errors = [result for result in checked if isinstance(result, LineError)]
+    if len(errors) == len(checked):
+        raise errors[0]
 
 
 _DEFAULTABLE_FIELDS = SAMPLING_FIELDS | CONSTRAINT_FIELDS | {"max_completion_tokens", "logprobs",

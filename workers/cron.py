@@ -201,7 +201,8 @@ def _with_defaults(line: bytes, defaults: dict[str, Any]) -> bytes:
         return line
     if not isinstance(obj, dict):
         return line
-    target = obj.get("body") if isinstance(obj.get("body"), dict) else obj
+    body = obj.get("body")
+    target = body if isinstance(body, dict) else obj
     for key, value in defaults.items():
         target.setdefault(key, value)
     return orjson.dumps(obj) + b"\n"

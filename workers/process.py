@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
@@ -69,8 +69,9 @@ def make_runner(*, model: str, settings: Settings | None = None, engine: Engine 
         from workers.lazy_engine import LazyEngine
 
         config = EngineConfig(model=model, **{**settings.engine_kwargs(), **engine_overrides})
-        engine = LazyEngine(lambda: build_engine(model, settings, **engine_overrides), config)  # type: ignore
-        metrics = engine.worker_metrics()  # type: ignore[union-attr]
+        lazy_engine = LazyEngine(lambda: build_engine(model, settings, **engine_overrides), config)
+        metrics = lazy_engine.worker_metrics()
+        engine = cast("Engine", lazy_engine)  # stands in for the Engine it builds on first use
     else:
         engine = engine if engine is not None else build_engine(model, settings, **engine_overrides)
         metrics = WorkerMetrics.for_engine(engine)

@@ -41,6 +41,8 @@ def recorded_identity(session: Session, *, model: str) -> ModelIdentity | None:
                 .where(Request.id.between(request_id_for(job_id, 0), request_id_for(job_id + 1, 0) - 1),
                        Request.status == RequestStatus.SUCCEEDED, Request.provenance.is_not(None))
                 .order_by(Request.id.desc()).limit(10)):
+            if text is None:  # excluded by the WHERE
+                continue
             provenance = orjson.loads(text)
             adapter = provenance.get("adapter") or {}
             if model in (provenance.get("model"), adapter.get("name")):

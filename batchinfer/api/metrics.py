@@ -51,7 +51,7 @@ EXPORTED_BYTES = Counter(f"{PREFIX}api_exported_bytes", "Result bytes served by 
                          ["kind"])
 
 # Where the requests a job has not finished stand, by the job's status.
-_UNFINISHED_REQUEST_STATUS = {
+_UNFINISHED_REQUEST_STATUS: dict[str, str] = {
     JobStatus.VALIDATING: "pending",
     JobStatus.IN_PROGRESS: "pending",
     JobStatus.FINALIZING: "pending",

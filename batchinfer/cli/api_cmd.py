@@ -66,7 +66,8 @@ def api(host: str | None, port: int | None, auth_disabled: bool | None, log_leve
         click.echo(f"batchinfer API on {url} (docs at /docs)", err=True)
     config = uvicorn.Config(app, host=settings.api_host, port=settings.api_port, log_level=log_level,
                             access_log=settings.api_access_log, log_config=log_config(),
-                            timeout_graceful_shutdown=settings.api_shutdown_timeout_seconds)
+                            # uvicorn annotates int but waits any number of seconds (asyncio.wait_for)
+                            timeout_graceful_shutdown=settings.api_shutdown_timeout_seconds)  # type: ignore[arg-type]
     uvicorn.Server(config).run()
     _exit_past_lingering_ingests()
 

@@ -8,6 +8,7 @@ every owner, and each batch object carries its `owner`. Against a server the key
 
 from __future__ import annotations
 
+import builtins  # `list` is a method name in the clients below
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,7 +37,8 @@ class Backend(Protocol):
 
     def cancel(self, batch_id: str) -> dict[str, Any]: ...
 
-    def retry(self, batch_id: str, *, only: list[str] | None, include_invalid: bool) -> dict[str, Any]: ...
+    def retry(self, batch_id: str, *, only: builtins.list[str] | None,
+              include_invalid: bool) -> dict[str, Any]: ...
 
     def results(self, batch_id: str, kind: str) -> Iterator[bytes]: ...
 
@@ -143,7 +145,8 @@ class LocalBackend:
                 raise BackendError(str(exc)) from None
             return self._batch(job, session)
 
-    def retry(self, batch_id: str, *, only: list[str] | None, include_invalid: bool) -> dict[str, Any]:
+    def retry(self, batch_id: str, *, only: builtins.list[str] | None,
+              include_invalid: bool) -> dict[str, Any]:
         """A child job of the batch's failed / expired / cancelled lines (store.retry), any owner's; the
         batch object with `retry: {of, lines, left_out}`."""
         from batchinfer.store.errors import JobError, JobNotFound
@@ -221,7 +224,8 @@ class RemoteBackend:
         """Ask the server to cancel."""
         return self._call(self.client.cancel, batch_id)
 
-    def retry(self, batch_id: str, *, only: list[str] | None, include_invalid: bool) -> dict[str, Any]:
+    def retry(self, batch_id: str, *, only: builtins.list[str] | None,
+              include_invalid: bool) -> dict[str, Any]:
         """Ask the server for a child batch of the batch's failed / expired / cancelled lines."""
         return self._call(self.client.retry, batch_id, only=only, include_invalid=include_invalid)
 

@@ -12,6 +12,7 @@ harmless (reads, a create with an idempotency key, or a connection that was neve
 
 from __future__ import annotations
 
+import builtins  # `list` is a method name in the clients below
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,7 @@ class RemoteClient:
         """Ask the server to cancel `batch_id`; returns the Batch object (cancelling or cancelled)."""
         return self._request("POST", f"/batches/{batch_id}/cancel", replayable=True).json()  # idempotent
 
-    def retry(self, batch_id: str, *, only: list[str] | None = None,
+    def retry(self, batch_id: str, *, only: builtins.list[str] | None = None,
               include_invalid: bool = False) -> dict[str, Any]:
         """A child batch of `batch_id`'s failed / expired / cancelled lines; returns its Batch object."""
         body = {"only": only, "include_invalid": include_invalid}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import orjson
@@ -85,7 +86,7 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
     settings = with_lora_settings(cli_settings(), lora_modules=lora_modules, max_loras=max_loras,
                                   max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
     model = model or settings.default_model
-    overrides = {name: value for name, value in (
+    overrides: dict[str, Any] = {name: value for name, value in (
         ("device", device), ("dtype", dtype), ("max_model_len", max_model_len),
         ("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size),
         ("quantization", quantization)) if value is not None}

@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 import orjson
@@ -66,7 +66,8 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
     options = {"device": device, "tensor_parallel_size": tensor_parallel_size, "dtype": dtype,
                "quantization": quantization, "pipeline_parallel_size": pipeline_parallel_size,
                "distributed_executor_backend": distributed_executor_backend}
-    overrides = {name: value for name, value in options.items() if value}  # options given on the command line
+    # options given on the command line
+    overrides: dict[str, Any] = {name: value for name, value in options.items() if value}
     check_adapters(settings, model, {**settings.engine_kwargs(), **overrides})
     process.process_model = model
     process.process_settings = settings  # with the command line's LoRA adapters
