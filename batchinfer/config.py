@@ -210,6 +210,7 @@ class Settings(BaseSettings):
     # Engine knobs (the worker's defaults; see batchinfer.engine.config.EngineConfig).
     device: str = "auto"
     dtype: str = "auto"
+    # Literal[QUANTIZATIONS]: the tuple's values, one definition; pydantic reads it, mypy cannot
     quantization: Literal[QUANTIZATIONS] | None = Field(  # type: ignore[valid-type]
         None, description="int8: per-channel int8 weights, dynamic int8 GEMMs (CPU); gguf: a .gguf model's "
                           "own Q4_0 / Q4_1 / Q8_0 blocks (CPU); unset: the dtype's.")

@@ -173,6 +173,7 @@ class LocalBackend:
         job_id = self._job_id(batch_id)
         self.get(batch_id)  # raises when the job does not exist
         with self.sessions() as session:
+            # kind: a str from click.Choice(output, errors, all), export_results' ExportKind
             yield from export_results(session, job_id=job_id, kind=kind)  # type: ignore[arg-type]
 
 

@@ -142,7 +142,7 @@ def _list(caller: Caller, purpose: str | None, limit: int, after: str | None, or
         if purpose in (None, "batch_output") and not has_more and len(data) < limit:
             result_after = (ref.id, ref.kind) if ref is not None and ref.kind != "input" else None
             files, has_more = list_result_files(session, owner=owner, limit=limit - len(data),
-                                                after=result_after, order=order)  # type: ignore[arg-type]
+                                                after=result_after, order=order)
             data += [result_file_object(f.job, f.kind, size=result_file_size(session, job=f.job, kind=f.kind))
                      for f in files]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,

@@ -30,7 +30,7 @@ ERRORS_PREVIEW = 10
 # worker beats every 10 s).
 THROUGHPUT_FRESH_S = 15.0
 
-_TONES = {
+_TONES: dict[str, str] = {
     JobStatus.COMPLETED: "ok", JobStatus.IN_PROGRESS: "busy", JobStatus.FINALIZING: "busy",
     JobStatus.VALIDATING: "busy", JobStatus.CANCELLING: "warn", JobStatus.CANCELLED: "muted",
     JobStatus.EXPIRED: "warn", JobStatus.FAILED: "bad",
@@ -56,7 +56,7 @@ def ago(seconds: float) -> str:
 
 def tone(status: str) -> str:
     """The colour family of a status badge."""
-    return _TONES.get(status, "muted")  # type: ignore[call-overload]
+    return _TONES.get(status, "muted")
 
 
 def _row(batch: dict[str, Any]) -> dict[str, Any]:

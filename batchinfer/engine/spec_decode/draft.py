@@ -120,6 +120,7 @@ class DraftModelProposer:
                 else:
                     unfinished.append(index)
             pending = unfinished + pending[len(batch):]
+        # every view ran to its end above: no None is left in out
         return out  # type: ignore[return-value]
 
     def propose(self, seqs: Sequence[Any], max_tokens: Sequence[int]) -> list[tuple[list[int], Any]]:
@@ -145,6 +146,7 @@ class DraftModelProposer:
             if not active:
                 break
             step = self.runner.execute_model([(views[i], 1) for i in active])
+            # filled below for the rows still active; only those are read next round
             logits = [None] * len(seqs)  # type: ignore[list-item]
             for row, index in enumerate(active):
                 views[index].num_computed_tokens += 1

@@ -44,6 +44,7 @@ class NgramProposer:
 
     def propose(self, seqs: Sequence[object], max_tokens: Sequence[int]) -> list[tuple[list[int], None]]:
         """Per sequence: (proposed token ids, at most its max_tokens entry; None: q is one-hot)."""
+        # seqs: Sequence or a draft's position view, each with token_ids (duck-typed here)
         return [
             (propose_ngram(seq.token_ids, min(self.k, limit), self.min_n, self.max_n), None)  # type: ignore[attr-defined]
             for seq, limit in zip(seqs, max_tokens, strict=True)
