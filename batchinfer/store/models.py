@@ -258,9 +258,7 @@ class Request(Base):
     status: Mapped[str] = mapped_column(String(10), default=RequestStatus.PENDING)
     endpoint: Mapped[str | None] = mapped_column(String(16))  # "chat" | "completions"; NULL if unreadable
     payload: Mapped[str | None] = mapped_column(Text)  # {"messages"|"prompt", "params"} JSON; NULL if invalid
-    # chat.completion / text_completion JSON; NULL for a success whose body is a cached one (result_key):
-    # read it through store/export.py (result_cache.request_response), never this column alone.
-    response: Mapped[str | None] = mapped_column(Text)
+    response: Mapped[str | None] = mapped_column(Text)  # chat.completion / text_completion JSON
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(Text)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
@@ -268,14 +266,14 @@ class Request(Base):
     cached_tokens: Mapped[int | None] = mapped_column(Integer)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # A success's provenance JSON (engine, model fingerprint, result_cache miss|hit|dedup, computed_in) and
-    # the key of the cached body that is its response (ResultBody.key, pinned while referenced; then
-    # `response` is NULL); NULL: the response is inline (not cacheable): store/result_cache.py.
+    # the result-cache key of its body (ResultBody.key; the row keeps its own copy of the response;
+    # NULL: not cacheable): store/result_cache.py.
     provenance: Mapped[str | None] = mapped_column(Text)
     result_key: Mapped[str | None] = mapped_column(String(64))
 
     __table_args__ = (
         UniqueConstraint("job_id", "custom_id"),  # also the duplicate detector of ingest
-        Index(None, "result_key"),  # is a body still referenced (eviction, purge, refresh)
+        Index(None, "result_key"),  # the rows with a given cached body (migration 0011)
     )
 
 
@@ -283,8 +281,7 @@ class ResultBody(Base):
     """A result-cache body (store/result_cache.py): one row per key, shared by every job whose request has it.
 
     `key` is the sha256 of everything that decides the output (workers/result_cache.py); `body` the result
-    row as the worker produced it (choices, token counts, prompt logprobs, model), orjson bytes. Request
-    rows reference it by `Request.result_key` instead of copying it; a referenced body is never evicted.
+    row as the worker produced it (choices, token counts, prompt logprobs, model), orjson bytes.
     """
 
     __tablename__ = "result_bodies"
