@@ -64,7 +64,7 @@ def output_line(*, request_key: int, custom_id: str,
             "response": {"status_code": 200, "request_id": f"req_{request_key}", "body": body}, "error": None}
 
 
-def error_line(*, request_key: int, custom_id: str, code: str, message: str) -> dict[str, Any]:
+def error_line(*, request_key: int, custom_id: str, code: str, message: str | None) -> dict[str, Any]:
     """A line of the error file: same shape as a success line, response null."""
     return {"id": f"batch_req_{request_key}", "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message}}

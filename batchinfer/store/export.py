@@ -48,6 +48,8 @@ def export_results(session: Session, *, job_id: int, kind: ExportKind = "output"
         for request_id, line_number, custom_id, status, response, code, message, provenance in rows:
             custom_id = custom_id if custom_id is not None else f"line-{line_number}"
             if status == RequestStatus.SUCCEEDED.value:
+                if response is None:  # results.py writes a succeeded row with its response
+                    raise ValueError(f"request {request_id}: succeeded without a response")
                 line = output_line(request_key=request_id, custom_id=custom_id, body=fragment(response))
                 if provenance is not None:  # engine, model fingerprint, result_cache (store/result_cache.py)
                     line["provenance"] = fragment(provenance)

@@ -24,7 +24,7 @@ from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from batchinfer.store.db import end_transaction, is_sqlite, write_transaction
+from batchinfer.store.db import end_transaction, is_sqlite, rowcount, write_transaction
 from batchinfer.store.errors import JobError
 from batchinfer.store.models import Job, ResultBody, utcnow
 
@@ -87,7 +87,7 @@ def store_bodies(session: Session, *, rows: dict[str, dict[str, Any]], computed_
     if not rows or max_bytes <= 0:
         return 0
     now = now or utcnow()
-    values = []
+    values: list[dict[str, Any]] = []  # the insert's rows, by column
     for key, row in sorted(rows.items()):
         body = orjson.dumps(row)
         if len(body) <= max_bytes:  # a body larger than the whole cache is never kept
@@ -137,7 +137,7 @@ def purge_unused(session: Session, *, older_than_s: float | None, now: datetime 
         return 0
     cutoff = (now or utcnow()) - timedelta(seconds=older_than_s)
     with write_transaction(session):
-        return session.execute(delete(ResultBody).where(ResultBody.last_used_at <= cutoff)).rowcount or 0
+        return rowcount(session.execute(delete(ResultBody).where(ResultBody.last_used_at <= cutoff))) or 0
 
 
 def cache_size(session: Session) -> tuple[int, int]:

@@ -7,10 +7,10 @@ in the same transaction as the request rows they count (see models.py).
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import orjson
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import Table, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from batchinfer.output_lines import response_body
@@ -66,7 +66,7 @@ def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], 
                           "k": result["cached_tokens"], "key": result.get("result_key"),
                           "prov": orjson.dumps(provenance).decode() if provenance is not None else None,
                           "src": provenance.get("result_cache") if provenance is not None else None})
-    table = Request.__table__
+    table = cast(Table, Request.__table__)  # SQLAlchemy types __table__ as FromClause; declarative: a Table
     is_mine = (table.c.id == bindparam("rid")) & (table.c.status == RequestStatus.PENDING.value)
     if succeeded:
         session.execute(table.update().where(is_mine).values(

@@ -52,7 +52,8 @@ def parse_file_id(file_id: str) -> FileRef | None:
     match = _FILE_ID.fullmatch(file_id)
     if not match:
         return None
-    kind: FileKind = {"out": "output", "err": "error", None: "input"}[match.group(1)]
+    kinds: dict[str | None, FileKind] = {"out": "output", "err": "error", None: "input"}
+    kind = kinds[match.group(1)]
     return FileRef(kind=kind, id=int(match.group(2)))
 
 

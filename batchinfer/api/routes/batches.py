@@ -233,7 +233,7 @@ async def retrieve_batch(batch_id: BatchId, caller: CallerDep, request: Request)
 
     owner = caller.cached_owner()
     cached = cache.get(job_id) if owner is not None and job_id is not None else None
-    if cached is None or cached[0] != owner:
+    if cached is None or cached[0] != owner or job_id is None:  # (cached implies job_id)
         return await caller.read(read)
     if cache.refresh_due(job_id) | caller.auth_refresh_due():  # `|`: claim both refreshes at once
         _in_background(_refresh(caller, read, cache, job_id))
