@@ -23,14 +23,15 @@ from workers.process import make_runner, run_job
 
 
 def _write(path: Path, prompts: list[str], *, custom_ids: list[str] | None = None,
-           sampled: bool = False) -> None:
-    """Chat lines: even ones greedy, odd ones seeded sampling (or unseeded sampling with `sampled`)."""
+           sampled: bool = False, greedy: bool = False) -> None:
+    """Chat lines: even ones greedy, odd ones seeded sampling (unseeded sampling with `sampled`, all greedy
+    with `greedy`)."""
     with path.open("wb") as out:
         for i, prompt in enumerate(prompts):
             body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 4}
             if sampled:
                 body["temperature"] = 1.0
-            elif i % 2:
+            elif i % 2 and not greedy:
                 body.update({"temperature": 0.9, "seed": 7 + i})
             else:
                 body["temperature"] = 0
@@ -127,11 +128,7 @@ def _dedup(url: str, model: Path, tmp_path: Path) -> None:
     nights = Nights(url, model, tmp_path)
     prompts = [f"question {i % 4} about cats" for i in range(40)]  # 4 prompts x 10 custom_ids
     path = tmp_path / "dups.jsonl"
-    with path.open("wb") as out:  # all greedy: twins are identical requests
-        for i, prompt in enumerate(prompts):
-            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "temperature": 0}
-            out.write(orjson.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
-                                    "body": body}) + b"\n")
+    _write(path, prompts, custom_ids=[f"c{i}" for i in range(40)], greedy=True)  # twins: identical requests
     labels = nights.runner.metrics.labels
     before = REGISTRY.get_sample_value("batchinfer:result_cache_dedup_total", labels) or 0.0
     job, stats, lines = nights.run(path, shard_size=7)  # twins in different shards
