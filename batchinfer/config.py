@@ -28,7 +28,7 @@ from pydantic_settings import (
 )
 
 from batchinfer.engine.config import QUANTIZATIONS
-from batchinfer.engine.threads import CHOSEN_MARKER
+from batchinfer.engine.native.threads import CHOSEN_MARKER
 
 DEFAULT_DATA_DIR = Path(platformdirs.user_data_dir("batchinfer", appauthor=False))
 
@@ -37,7 +37,7 @@ ENV_PREFIX = "BATCHINFER_"
 # BATCHINFER_* variables that are not settings (read before the settings exist, or by one module).
 OTHER_ENV_VARS = frozenset({
     "BATCHINFER_CONFIG",         # the TOML file (this module)
-    "BATCHINFER_CACHE_DIR",      # converted models (batchinfer.engine.loader)
+    "BATCHINFER_CACHE_DIR",      # converted models (batchinfer.engine.models.loader)
     "BATCHINFER_CPU_ATTENTION",  # "sdpa" selects the pure-torch CPU attention (engine.layers.cpu_attention)
     "BATCHINFER_CPU_LINEAR",     # "aten": no oneDNN weight prepacking (engine.layers.weight_packing)
     "BATCHINFER_CPU_FUSED",      # "0": no fused CPU rotary / SiLU-and-mul (engine.layers.cpu_attention)
@@ -172,7 +172,7 @@ class Settings(BaseSettings):
     max_bad_words: int = Field(1024, ge=1, description="bad_words one request may give.")
     max_allowed_token_ids: int = Field(4096, ge=1, description="allowed_token_ids one request may give.")
     max_logit_bias: int = Field(300, ge=1, description="logit_bias entries of one request (OpenAI: 300).")
-    # Structured output (engine/grammars.py GrammarBudget, engine/structured.py GrammarBackend).
+    # Structured output (engine/sampling/: grammars.py GrammarBudget, structured.py GrammarBackend).
     max_constraint_depth: int = Field(
         64, ge=1, description="Nesting levels of a JSON Schema constraint (brackets of a regex / grammar).")
     max_constraint_bytes: int = Field(1 << 20, ge=64, description="Size of one output constraint's text.")
@@ -258,7 +258,7 @@ class Settings(BaseSettings):
     @field_validator("speculative_config", mode="after")
     @classmethod
     def _check_speculative_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        from batchinfer.engine.spec_decode.config import parse_speculative_config  # pure Python
+        from batchinfer.engine.speculative_config import parse_speculative_config  # pure Python
 
         parse_speculative_config(value)  # a ValueError naming speculative_config.<key>
         return value

@@ -1,7 +1,7 @@
 """FairPool: worker threads shared by tenants, who take turns; no tenant can hold every thread.
 
 Used where one tenant's slow work would otherwise queue everyone else's behind it: the API's batch
-ingests (api/deps.py) and a worker's grammar compilations (engine/structured.py). Work is queued per
+ingests (api/deps.py) and a worker's grammar compilations (engine/sampling/structured.py). Work is queued per
 owner; a free thread takes the oldest item of the next owner in turn, and an owner (a non-empty name)
 runs on at most all threads but one, so a thread stays free for the others. Work without an owner
 ("" or None: one tenant, or the operator) is not held back. Pure Python: the engine and the API import it.

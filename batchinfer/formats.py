@@ -26,7 +26,7 @@ import orjson
 from cachetools import FIFOCache
 
 from batchinfer import embedding_lines, request_options, responses_lines
-from batchinfer.engine.grammars import DEFAULT_GRAMMAR_BUDGET, GrammarBudget, using_budget
+from batchinfer.engine.sampling.grammars import DEFAULT_GRAMMAR_BUDGET, GrammarBudget, using_budget
 from batchinfer.engine.sampling_params import SamplingParams, SamplingParamsError
 from batchinfer.prompt_fields import json_type, read_messages, read_prompt
 from batchinfer.request_options import CHAT_OPTION_FIELDS, COMPLETION_OPTION_FIELDS
@@ -119,7 +119,7 @@ def parse_line(line: bytes, line_number: int, *, max_metadata_bytes: int = 16 * 
                constraint_budget: GrammarBudget = DEFAULT_GRAMMAR_BUDGET) -> NormalizedRequest:
     """Parse and validate one input line (bytes without the newline) or raise LineError.
 
-    `constraint_budget`: what a structured output constraint may cost (engine/grammars.py GrammarBudget).
+    `constraint_budget`: what a structured output constraint may cost (engine/sampling/grammars.py).
     """
     try:
         obj = orjson.loads(line)

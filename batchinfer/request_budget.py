@@ -10,10 +10,10 @@ request costs a worker:
 - Logprobs: n x max_tokens x (1 + top_logprobs) entries, for a request that asks for logprobs, must fit
   `max_request_logprobs` (each entry is a JSON object of the result line).
 - Stop strings: at most `max_stop_sequences` (the engine's matching cost per token does not grow with
-  the list, engine/stop_matcher.py, but each string is kept per sequence).
+  the list, engine/sampling/stop_matcher.py, but each string is kept per sequence).
 - Logits controls: at most `max_bad_words` bad_words, `max_allowed_token_ids` allowed_token_ids and
   `max_logit_bias` logit_bias entries (their cost per step does not grow with the lists,
-  engine/logits_controls.py, but each is tokenized, stored and turned into masks once per request).
+  engine/sampling/logits_controls.py, but each is tokenized, stored and turned into masks once per request).
 
 The KV capacity, unless set, is what kv_cache_memory_bytes holds of the job's model when its config.json
 is on this machine (a model directory, or an alias already converted), else DEFAULT_KV_TOKENS.
@@ -156,7 +156,7 @@ _SHAPES_LOCK = threading.Lock()  # the API ingests on several threads
 
 def _config_dirs(model: str) -> list[Path]:
     path = Path(model).expanduser()
-    # Aliases are converted into the engine's cache (engine/loader.py cache_dir(): the same rule).
+    # Aliases are converted into the engine's cache (engine/models/loader.py cache_dir(): the same rule).
     cache = Path(os.environ.get("BATCHINFER_CACHE_DIR") or Path.home() / ".cache" / "batchinfer")
     try:
         return [path] if path.is_dir() else [cache / "models" / model] if "/" not in model else []

@@ -5,7 +5,7 @@ engine keeps >= 80% of its quiet tokens per CPU-second, whether the busy process
 engine started ("at start") or arrives while it runs ("later": the loop starts after the warm-up). Each
 measurement runs in a fresh child process, because OpenMP reads its wait policy once, when torch is
 imported:
-  - policy "engine": the defaults of batchinfer.engine.threads (what the CLI, workers and benches set),
+  - policy "engine": the defaults of batchinfer.engine.native.threads (what the CLI, workers and benches set),
     with the ThreadGovernor re-choosing the thread count while the engine runs;
   - policy "start": the same defaults with the count fixed when the process starts (adaptive_threads off);
   - policy "none": libgomp's own defaults (all cores, spinning waits), the engine as it was before;
@@ -33,7 +33,7 @@ from pathlib import Path
 from chat_workload import MODEL_ALIAS, build_workload, load_line, process_cpu_seconds
 from openvino_peer import PEER_NAME, PEER_ROWS, ensure_export, run_peer
 
-from batchinfer.engine.threads import CHOSEN_MARKER
+from batchinfer.engine.native.threads import CHOSEN_MARKER
 
 POLICIES = ("none", "start", "engine")
 ARRIVALS = ("at start", "later")
@@ -89,8 +89,8 @@ def peer_precision(dtype: str) -> str:
 def run_openvino(args: argparse.Namespace, busy: str | None) -> dict:
     """The peer on the same workload (all cores, as in engine_throughput.py), in its own venv."""
     from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.loader import cache_dir
-    from batchinfer.engine.resolved_model import resolve_model
+    from batchinfer.engine.models.loader import cache_dir
+    from batchinfer.engine.models.resolved_model import resolve_model
 
     resolved = resolve_model(EngineConfig(model=MODEL_ALIAS))
     prompts, budgets = build_workload(resolved.tokenizer, args.num_prompts, args.min_tokens, args.max_tokens)
@@ -110,7 +110,7 @@ def child_main(args: argparse.Namespace) -> None:
     """Measure one run of the engine under the given policy (in this fresh process)."""
     applied = {}
     if args.child != "none":
-        from batchinfer.engine.threads import configure_openmp_env
+        from batchinfer.engine.native.threads import configure_openmp_env
 
         applied = configure_openmp_env()
     import torch

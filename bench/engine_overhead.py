@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from batchinfer.engine.config import EngineConfig  # noqa: E402
 from batchinfer.engine.llm_engine import Engine  # noqa: E402
-from batchinfer.engine.sampler import argmax_rows  # noqa: E402
+from batchinfer.engine.sampling.sampler import argmax_rows  # noqa: E402
 from batchinfer.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.fixtures.tiny_models import build_tiny_model, training_sentences  # noqa: E402
 

@@ -21,12 +21,12 @@ share of the fp32 matmul roofline, greedy agreement, and a markdown table for th
 
 from __future__ import annotations
 
-# OpenMP reads its wait policy when torch is imported: set the engine's defaults first (engine/threads.py).
+# OpenMP reads its wait policy when torch is imported: set the engine's defaults first (native/threads.py).
 # Every system gets the same threads (--threads, default every usable core): the engine's one-fewer-when-
 # loaded choice would hand our rows fewer threads than the peers' on a busy machine, so it is fixed here.
 import os
 
-from batchinfer.engine.threads import configure_openmp_env, usable_cores
+from batchinfer.engine.native.threads import configure_openmp_env, usable_cores
 
 os.environ.setdefault("OMP_NUM_THREADS", str(usable_cores()))
 OPENMP_APPLIED = configure_openmp_env()
@@ -177,7 +177,7 @@ def run_ours(prompts, budgets, precision: str, args, eos: frozenset[int]) -> Res
 
 def run_peers(args, model_path: Path, prompts, budgets, eos: frozenset[int]) -> dict[str, Result | str]:
     """OpenVINO GenAI at each precision, each row in a child process of the peers venv."""
-    from batchinfer.engine.loader import cache_dir
+    from batchinfer.engine.models.loader import cache_dir
 
     workload = {"prompts": prompts, "budgets": budgets, "eos_token_ids": sorted(eos),
                 "ignore_eos": args.ignore_eos}
@@ -292,7 +292,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.resolved_model import resolve_model
+    from batchinfer.engine.models.resolved_model import resolve_model
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

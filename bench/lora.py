@@ -104,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.resolved_model import resolve_model
+    from batchinfer.engine.models.resolved_model import resolve_model
 
     model_path = str(resolve_model(EngineConfig(model=args.model, device="cpu"), with_tokenizer=False).path)
     counts = [int(c) for c in args.adapter_counts.split(",")]

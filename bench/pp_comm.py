@@ -4,7 +4,7 @@ For each model (a tiny random Llama built with tests/fixtures/tiny_models, and S
 --num-seqs greedy requests are prefilled, then --steps decode steps run with pipeline_parallel_size=1 and
 with --pp stages, the latter once with one micro-batch per step (no overlap) and once with the default
 (pp micro-batches, GPipe-style). For every decode-only step rank 0 records
-(batchinfer.engine.pp_stage.PIPE_STATS):
+(batchinfer.engine.parallel.pp_stage.PIPE_STATS):
   - step: the whole execute_model call on rank 0;
   - stage 0: rank 0's own forward over its layers, all micro-batches;
   - send: encoding the layouts and posting the sends (layouts, hidden states);
@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from batchinfer.engine import LLM, SamplingParams  # noqa: E402
-from batchinfer.engine.pp_stage import PIPE_STATS  # noqa: E402
+from batchinfer.engine.parallel.pp_stage import PIPE_STATS  # noqa: E402
 
 
 def measure_engine(
@@ -135,7 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from batchinfer.engine.loader import load_hf_config, resolve_model_path
+    from batchinfer.engine.models.loader import load_hf_config, resolve_model_path
     from tests.fixtures.tiny_models import build_tiny_model
 
     models = [("tiny-llama", str(build_tiny_model("llama", Path(tempfile.mkdtemp()) / "llama")))]

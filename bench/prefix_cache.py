@@ -159,7 +159,7 @@ def main() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from batchinfer.engine.loader import load_tokenizer, resolve_model_path
+    from batchinfer.engine.models.loader import load_tokenizer, resolve_model_path
 
     hf_logging.set_verbosity_error()
     tokenizer = load_tokenizer(resolve_model_path(MODEL))

@@ -13,9 +13,9 @@ A precision the engine cannot run yet is skipped with the reason.
 
 from __future__ import annotations
 
-from batchinfer.engine.threads import configure_openmp_env
+from batchinfer.engine.native.threads import configure_openmp_env
 
-configure_openmp_env()  # before torch is imported (engine/threads.py)
+configure_openmp_env()  # before torch is imported (engine/native/threads.py)
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
@@ -95,7 +95,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.resolved_model import resolve_model
+    from batchinfer.engine.models.resolved_model import resolve_model
 
     tokenizer = resolve_model(EngineConfig(model=MODEL_ALIAS)).tokenizer
     prompts, budgets = build_workload(tokenizer, args.num_prompts, args.min_tokens, args.max_tokens)

@@ -81,7 +81,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from batchinfer.engine.llm import LLM
-    from batchinfer.engine.loader import load_tokenizer, resolve_model_path
+    from batchinfer.engine.models.loader import load_tokenizer, resolve_model_path
     from batchinfer.engine.sampling_params import SamplingParams
 
     tokenizer = load_tokenizer(resolve_model_path(args.model))

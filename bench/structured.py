@@ -106,9 +106,9 @@ def in_engine_mask_cost(llm, prompts, params) -> tuple[list, float, list[float]]
 def mask_cost_at(llm, rows: int, repeats: int) -> dict[str, float]:
     """Seconds per step at `rows` constrained rows: the bitmask fill, and the sampler's masking."""
     from batchinfer.engine import SamplingParams
-    from batchinfer.engine.sampler import apply_grammar_bitmask
-    from batchinfer.engine.sequence import Sequence
-    from batchinfer.engine.structured import GrammarBackend, GrammarState
+    from batchinfer.engine.core.sequence import Sequence
+    from batchinfer.engine.sampling.sampler import apply_grammar_bitmask
+    from batchinfer.engine.sampling.structured import GrammarBackend, GrammarState
 
     engine = llm.engine
     device = torch.device(engine.model_runner.device)
@@ -161,7 +161,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from batchinfer.engine import LLM
-    from batchinfer.engine.loader import load_tokenizer, resolve_model_path
+    from batchinfer.engine.models.loader import load_tokenizer, resolve_model_path
 
     prompts = prompts_for(load_tokenizer(resolve_model_path(args.model)), args.rows)
     block_size = 16

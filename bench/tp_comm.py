@@ -4,7 +4,7 @@ For each model (a tiny random Llama built with tests/fixtures/tiny_models, and S
 --num-seqs greedy requests are prefilled, then --steps decode steps run with tensor_parallel_size=--tp
 (tiny) / --smollm2-tp, and the same with tp=1 (SmolLM2 has 9 query heads, so its smallest split is tp=3,
 --smollm2-tp; on a 2-core machine its 3 ranks share 2 cores). For every decode-only step, rank 0 records
-(from batchinfer.engine.distributed.COMM_STATS):
+(from batchinfer.engine.parallel.distributed.COMM_STATS):
   - step: the whole execute_model call on rank 0 (broadcast + forward + logits gather);
   - all-reduce: time inside the all-reduces (embedding + one per o_proj and down_proj), INCLUDING waiting
     for the slower rank to arrive, so it also holds load imbalance, not just data movement;
@@ -37,7 +37,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from batchinfer.engine import LLM, SamplingParams  # noqa: E402
-from batchinfer.engine.distributed import COMM_STATS  # noqa: E402
+from batchinfer.engine.parallel.distributed import COMM_STATS  # noqa: E402
 
 
 def measure_engine(model: str, tp: int, num_seqs: int, steps: int) -> dict[str, float]:
@@ -124,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from batchinfer.engine.loader import load_hf_config, resolve_model_path
+    from batchinfer.engine.models.loader import load_hf_config, resolve_model_path
     from tests.fixtures.tiny_models import build_tiny_model
 
     models = [("tiny-llama", str(build_tiny_model("llama", Path(tempfile.mkdtemp()) / "llama")), args.tp)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from batchinfer.engine.threads import configure_openmp_env
+from batchinfer.engine.native.threads import configure_openmp_env
 from workers.app import get_app
 from workers.tasks import register_tasks
 

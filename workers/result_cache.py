@@ -115,7 +115,7 @@ class ModelIdentity:
 
 def fingerprint_cache_dir() -> Path:
     """Beside the converted-model cache: $BATCHINFER_CACHE_DIR/fingerprints."""
-    from batchinfer.engine.loader import cache_dir
+    from batchinfer.engine.models.loader import cache_dir
 
     return cache_dir() / "fingerprints"
 
@@ -123,7 +123,7 @@ def fingerprint_cache_dir() -> Path:
 def model_identity(config: EngineConfig, *, served_model: str, adapter: tuple[str, str] | None = None
                    ) -> ModelIdentity:
     """The identity of `config`'s model (fingerprinted once per process and cached on disk)."""
-    from batchinfer.engine.loader import resolve_model_path
+    from batchinfer.engine.models.loader import resolve_model_path
 
     cache = fingerprint_cache_dir()
     dtype = str(config.resolved_dtype()).removeprefix("torch.")

@@ -1,7 +1,7 @@
 """`batchinfer build-kernels`: build the native CPU kernels now (at install), not at the first `run`.
 
 `make setup` and the Docker image run it, so a first job does not wait on the compiler; it prints where
-the build lives and whether it was compiled now or found in the cache (engine/layers/native_build.py).
+the build lives and whether it was compiled now or found in the cache (engine/native/build.py).
 """
 
 from __future__ import annotations

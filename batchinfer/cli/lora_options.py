@@ -84,7 +84,7 @@ def check_adapters(settings: Settings, model: str, engine_kwargs: dict[str, Any]
         fail(f"--lora-modules: {clash[0]!r} is already the model's name; give the adapter another name")
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.lora.adapter import load_adapter
-    from batchinfer.engine.resolved_model import resolve_model
+    from batchinfer.engine.models.resolved_model import resolve_model
 
     try:
         config = EngineConfig(model=model, **engine_kwargs)

@@ -28,7 +28,7 @@ from batchinfer.cli.lora_options import check_adapters, lora_options, with_lora_
 from batchinfer.cli.output import EXIT_FAILED, dumps, fail, input_file, json_option
 from batchinfer.cli.progress import JobProgress
 from batchinfer.cli.result_files import default_errors_path, write_error_lines, write_lines
-from batchinfer.engine.quantization import QUANTIZATIONS
+from batchinfer.engine.layers.quantization import QUANTIZATIONS
 
 logger = logging.getLogger("batchinfer.cli")
 
@@ -152,7 +152,7 @@ def _check_engine(model: str, engine_kwargs: dict) -> None:
     """Exit 1 with one line unless `model` resolves here and the engine knobs are valid for it (cheap:
     the model's config is read, no weight is loaded)."""
     from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.resolved_model import resolve_model
+    from batchinfer.engine.models.resolved_model import resolve_model
 
     try:
         config = EngineConfig(model=model, **engine_kwargs)

@@ -17,9 +17,9 @@ _EXPORTS = {
     "LLM": "batchinfer.engine.llm",
     "Logprob": "batchinfer.engine.outputs",
     "LoRARequest": "batchinfer.engine.lora.request",
-    "ModelRunnerProtocol": "batchinfer.engine.runner_protocol",
+    "ModelRunnerProtocol": "batchinfer.engine.worker.runner_protocol",
     "RequestOutput": "batchinfer.engine.outputs",
-    "ResolvedModel": "batchinfer.engine.resolved_model",
+    "ResolvedModel": "batchinfer.engine.models.resolved_model",
     "SamplingParams": "batchinfer.engine.sampling_params",
 }
 

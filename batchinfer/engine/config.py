@@ -9,12 +9,11 @@ import re
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from batchinfer.engine.cpu_features import cpu_has_native_bf16  # tests import it from here too
-
 # EngineConfig.quantization values besides None: int8 weights (fbgemm), or a GGUF model's own Q4_0 / Q4_1 /
-# Q8_0 blocks; each format's loader, packer and kernel live in engine/quantization.py
-from batchinfer.engine.quantization import QUANTIZATIONS as QUANTIZATIONS  # re-exported: settings, CLI
-from batchinfer.engine.quantization import quantization_format, splitting_formats
+# Q8_0 blocks; each format's loader, packer and kernel live in engine/layers/quantization.py
+from batchinfer.engine.layers.quantization import QUANTIZATIONS as QUANTIZATIONS  # re-exported: settings, CLI
+from batchinfer.engine.layers.quantization import quantization_format, splitting_formats
+from batchinfer.engine.native.cpu_features import cpu_has_native_bf16  # tests import it from here too
 
 if TYPE_CHECKING:
     import torch
@@ -140,7 +139,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false; got {getattr(self, name)!r}")
         self._check_lora()
-        from batchinfer.engine.spec_decode.config import parse_speculative_config
+        from batchinfer.engine.speculative_config import parse_speculative_config
 
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is not None and self.speculative_config.method == "draft_model" \

@@ -21,27 +21,27 @@ import time
 from collections.abc import Set as AbstractSet
 from itertools import accumulate
 
-from batchinfer.engine import prompt_logprobs
-from batchinfer.engine.block_manager import BlockManager
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.detokenizer import IncrementalDetokenizer
-from batchinfer.engine.executor import make_model_runner
-from batchinfer.engine.logits_controls import bad_words_token_ids
+from batchinfer.engine.core.block_manager import BlockManager
+from batchinfer.engine.core.detokenizer import IncrementalDetokenizer
+from batchinfer.engine.core.request_checks import check_param_token_ids, prompt_token_ids, resolved_max_tokens
+from batchinfer.engine.core.scheduler import Scheduler
+from batchinfer.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchinfer.engine.lora.request import LoRARequest
 from batchinfer.engine.metrics import EngineStats, MetricsRecorder
+from batchinfer.engine.models.resolved_model import resolve_model
+from batchinfer.engine.native.threads import ThreadGovernor, cpu_thread_governor
 from batchinfer.engine.outputs import RequestOutput, make_logprob_entry, make_request_output
-from batchinfer.engine.request_checks import check_param_token_ids, prompt_token_ids, resolved_max_tokens
-from batchinfer.engine.resolved_model import resolve_model
-from batchinfer.engine.runner_protocol import ModelRunnerProtocol
-from batchinfer.engine.sampler import SampleLogprobs, Sampler
+from batchinfer.engine.parallel.executor import make_model_runner
+from batchinfer.engine.sampling import prompt_logprobs
+from batchinfer.engine.sampling.logits_controls import bad_words_token_ids
+from batchinfer.engine.sampling.sampler import SampleLogprobs, Sampler
+from batchinfer.engine.sampling.stop import check_stop
+from batchinfer.engine.sampling.structured import GrammarBackend, GrammarState
+from batchinfer.engine.sampling.structured_requests import StructuredRequests
 from batchinfer.engine.sampling_params import SamplingParams
-from batchinfer.engine.scheduler import Scheduler
-from batchinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchinfer.engine.spec_decode.speculator import Speculator
-from batchinfer.engine.stop import check_stop
-from batchinfer.engine.structured import GrammarBackend, GrammarState
-from batchinfer.engine.structured_requests import StructuredRequests
-from batchinfer.engine.threads import ThreadGovernor, cpu_thread_governor
+from batchinfer.engine.worker.runner_protocol import ModelRunnerProtocol
 
 logger = logging.getLogger(__name__)
 

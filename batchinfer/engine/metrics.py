@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from batchinfer.engine.block_manager import BlockManager
+    from batchinfer.engine.core.block_manager import BlockManager
+    from batchinfer.engine.core.scheduler import Scheduler
     from batchinfer.engine.outputs import RequestOutput
-    from batchinfer.engine.scheduler import Scheduler
 
 logger = logging.getLogger("batchinfer.engine")
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:  # both for annotations only: this module stays free of torch
-    from batchinfer.engine.sampler import SampleLogprobs
-    from batchinfer.engine.sequence import SequenceGroup
+    from batchinfer.engine.core.sequence import SequenceGroup
+    from batchinfer.engine.sampling.sampler import SampleLogprobs
 
 
 @dataclass

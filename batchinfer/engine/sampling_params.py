@@ -18,7 +18,12 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any
 
-from batchinfer.engine.grammars import CONSTRAINT_KINDS, GrammarError, canonical_text, check_constraint
+from batchinfer.engine.sampling.grammars import (
+    CONSTRAINT_KINDS,
+    GrammarError,
+    canonical_text,
+    check_constraint,
+)
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs ceiling
 GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)

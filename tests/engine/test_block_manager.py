@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from batchinfer.engine.block_manager import BlockManager, FreeBlockQueue, KVCacheBlock, hash_block
+from batchinfer.engine.core.block_manager import BlockManager, FreeBlockQueue, KVCacheBlock, hash_block
+from batchinfer.engine.core.sequence import Sequence
 from batchinfer.engine.sampling_params import SamplingParams
-from batchinfer.engine.sequence import Sequence
 
 BS = 4
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchinfer.engine.detokenizer import IncrementalDetokenizer
+from batchinfer.engine.core.detokenizer import IncrementalDetokenizer
 from batchinfer.engine.sampling_params import SamplingParams
 from tests.fixtures.tiny_models import build_tokenizer
 

@@ -24,7 +24,7 @@ from batchinfer.engine.layers.gguf_weights import (
     unpermute_rows,
 )
 from batchinfer.engine.llm_engine import Engine
-from batchinfer.engine.loader import gguf_source
+from batchinfer.engine.models.loader import gguf_source
 from batchinfer.engine.sampling_params import SamplingParams
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -175,8 +175,8 @@ def test_bf16_loads_on_the_same_blocks(smollm2, single_thread):
 def test_a_draft_model_gets_the_block_format_only_when_it_is_a_gguf(tiny_llama):
     import json
 
-    from batchinfer.engine.spec_decode.config import SpeculativeConfig
     from batchinfer.engine.spec_decode.draft import DraftModelProposer
+    from batchinfer.engine.speculative_config import SpeculativeConfig
 
     target = EngineConfig(model=SMOLLM2, device="cpu", dtype="float32", quantization="gguf")
     spec = SpeculativeConfig(method="draft_model", model=str(tiny_llama), num_speculative_tokens=2)

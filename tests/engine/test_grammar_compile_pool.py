@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from batchinfer.engine.grammars import GrammarError
+from batchinfer.engine.sampling.grammars import GrammarError
+from batchinfer.engine.sampling.structured import GrammarBackend
 from batchinfer.engine.sampling_params import StructuredOutputsParams
-from batchinfer.engine.structured import GrammarBackend
 from tests.fixtures.tiny_models import build_tokenizer
 
 
@@ -101,7 +101,7 @@ EXIT_DURING_COMPILE = """
 import random, string
 from tests.fixtures.tiny_models import build_tokenizer
 from batchinfer.engine.sampling_params import StructuredOutputsParams
-from batchinfer.engine.structured import GrammarBackend
+from batchinfer.engine.sampling.structured import GrammarBackend
 tok = build_tokenizer()
 backend = GrammarBackend(tok, vocab_size=len(tok), eos_token_ids={tok.eos_token_id}, max_num_seqs=4,
                          compile_timeout_s=0.05)

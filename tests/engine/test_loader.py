@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from batchinfer.engine import LLM, loader
+from batchinfer.engine import LLM
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.loader import ModelNotFoundError, load_tokenizer, resolve_model_path
-from batchinfer.engine.model_runner import ModelRunner
+from batchinfer.engine.models import loader
+from batchinfer.engine.models.loader import ModelNotFoundError, load_tokenizer, resolve_model_path
+from batchinfer.engine.worker.model_runner import ModelRunner
 
 
 def _copy_model(src: Path, dst: Path) -> Path:

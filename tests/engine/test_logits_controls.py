@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from batchinfer.engine import SamplingParams
-from batchinfer.engine.logits_controls import bad_words_token_ids
-from batchinfer.engine.sampler import Sampler
-from batchinfer.engine.sequence import Sequence
+from batchinfer.engine.core.sequence import Sequence
+from batchinfer.engine.sampling.logits_controls import bad_words_token_ids
+from batchinfer.engine.sampling.sampler import Sampler
 
 VOCAB = 12
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}

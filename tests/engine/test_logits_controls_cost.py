@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchinfer.engine import SamplingParams
-from batchinfer.engine.logits_controls import ControlsCache, apply_logits_controls
-from batchinfer.engine.sequence import Sequence
+from batchinfer.engine.core.sequence import Sequence
+from batchinfer.engine.sampling.logits_controls import ControlsCache, apply_logits_controls
 
 VOCAB = 9
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from batchinfer.engine import LLM, LoRARequest
-from batchinfer.engine.distributed import tp_world_size
+from batchinfer.engine.parallel.distributed import tp_world_size
 from tests.engine.test_lora import GREEDY, prompts, reference_tokens
 from tests.fixtures.tiny_lora import build_lora_adapter
 

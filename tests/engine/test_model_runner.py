@@ -14,7 +14,7 @@ import torch
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.layers.attention_plan import GROUP_WASTE_FACTOR, GROUP_WASTE_SLACK, build_torch_plan
-from batchinfer.engine.model_runner import ModelRunner
+from batchinfer.engine.worker.model_runner import ModelRunner
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -142,7 +142,7 @@ TRITON_SCRIPT = textwrap.dedent(
     """
     import random, sys, torch
     from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.model_runner import ModelRunner
+    from batchinfer.engine.worker.model_runner import ModelRunner
 
     class Seq:
         def __init__(self, tokens, table):

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.model_runner import ModelRunner
+from batchinfer.engine.worker.model_runner import ModelRunner
 
 ATOL = 1e-4
 
@@ -264,7 +264,7 @@ def test_qwen2_config_from_scratch_has_bias(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_smollm2_alias_loads_and_matches_transformers(smollm2: Path) -> None:
     """The real SmolLM2-135M (alias -> converted GGUF): prefill and decode logits match transformers."""
-    from batchinfer.engine.loader import load_tokenizer
+    from batchinfer.engine.models.loader import load_tokenizer
 
     runner = make_runner("smollm2-135m-instruct", block_size=16, num_blocks=16)
     assert runner.model_path == smollm2 and runner.hf_config.tie_word_embeddings

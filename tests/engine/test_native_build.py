@@ -15,7 +15,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from batchinfer.engine.layers import native_build
+from batchinfer.engine.native import build as native_build
 
 # Shared with tests/workers/test_extension_build_lock.py: only the first run of either compiles.
 KERNEL_ROOT = Path(tempfile.gettempdir()) / f"batchinfer-test-torch-extensions-{os.getuid()}"
@@ -48,7 +48,7 @@ def test_build_kernels_builds_once_and_a_path_alias_finds_the_same_build(tmp_pat
 def test_a_venv_reached_through_a_symlink_is_one_cache(tmp_path: Path):
     alias = tmp_path / "venv-alias"
     alias.symlink_to(Path(sys.prefix))
-    code = "from batchinfer.engine.layers import native_build; print(native_build.kernel_dirs()[0])"
+    code = "from batchinfer.engine.native import build as native_build; print(native_build.kernel_dirs()[0])"
     env = {key: value for key, value in os.environ.items() if key != native_build.KERNEL_DIR_ENV}
     dirs = [subprocess.run([str(prefix / "bin" / "python"), "-c", code], env=env, capture_output=True,
                            text=True, timeout=120, check=True).stdout.strip()
@@ -71,7 +71,7 @@ def test_the_cpp_sources_ship_as_package_data_and_are_hashed_into_the_key(tmp_pa
     import tomllib
 
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    globs = project["tool"]["setuptools"]["package-data"]["batchinfer.engine.layers"]
+    globs = project["tool"]["setuptools"]["package-data"]["batchinfer.engine.native"]
     files = sorted(p.name for p in native_build.CSRC_DIR.iterdir() if p.suffix in (".cpp", ".h"))
     assert set(native_build.SOURCES) <= set(files)
     assert all(any(fnmatch.fnmatch(f"csrc/{name}", glob) for glob in globs) for name in files)

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from batchinfer.engine import LLM, SamplingParams
-from batchinfer.engine.distributed import CMD_EXIT, CMD_STEP, tp_world_size
 from batchinfer.engine.errors import RankFailedError
-from batchinfer.engine.loader import load_hf_config, load_weights
 from batchinfer.engine.models.llama import LlamaForCausalLM
+from batchinfer.engine.models.loader import load_hf_config, load_weights
 from batchinfer.engine.models.pipeline_stage import split_layers
-from batchinfer.engine.pp_runner import PipelineParallelRunner, split_micro_batches
-from batchinfer.engine.pp_stage import HEADER_WORDS, WIRE_DTYPES, header
+from batchinfer.engine.parallel.distributed import CMD_EXIT, CMD_STEP, tp_world_size
+from batchinfer.engine.parallel.pp_runner import PipelineParallelRunner, split_micro_batches
+from batchinfer.engine.parallel.pp_stage import HEADER_WORDS, WIRE_DTYPES, header
 from tests.engine.test_tensor_parallel import GREEDY, PREEMPTING, generate, shared_prefix_prompts
 
 pytestmark = pytest.mark.integration  # every engine here starts rank processes

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from batchinfer.engine.errors import RankFailedError
-from batchinfer.engine.rank_processes import spawn_rank, wait_started
+from batchinfer.engine.parallel.rank_processes import spawn_rank, wait_started
 
 pytestmark = pytest.mark.integration  # subprocesses
 

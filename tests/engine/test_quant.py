@@ -13,8 +13,8 @@ from batchinfer.config import Settings
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.layers import int8_smoothing
 from batchinfer.engine.layers.context import AttentionContext, set_context
+from batchinfer.engine.layers.quantization import quantization_format
 from batchinfer.engine.layers.weight_packing import int8_linear
-from batchinfer.engine.quantization import quantization_format
 from tests.engine.test_models import FakeSeq, ScatteredBlocks, make_runner, random_tokens, run_step
 
 needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
@@ -110,8 +110,8 @@ def test_worker_command_has_dtype_and_quantization_options(monkeypatch, tmp_path
 
 def _load_float_model(path: Path) -> torch.nn.Module:
     """The tiny model with its weights loaded and nothing packed (what pack_weights receives)."""
-    from batchinfer.engine.loader import load_hf_config, load_weights
     from batchinfer.engine.models import get_model_class
+    from batchinfer.engine.models.loader import load_hf_config, load_weights
 
     hf_config = load_hf_config(path)
     model = get_model_class(hf_config)(hf_config, 128)

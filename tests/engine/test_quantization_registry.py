@@ -1,4 +1,4 @@
-"""One registry of quantization formats (engine/quantization.py): every place that offers or checks a format
+"""One registry of quantization formats (layers/quantization.py): every place that offers or checks a format
 asks it, so a format's name, loader, packer and kernel are known in one place (issue 30)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from batchinfer.cli.run_cmd import run
 from batchinfer.cli.worker_cmd import worker
 from batchinfer.config import Settings
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.quantization import FORMATS, QUANTIZATIONS, GGUFBlocks, quantization_format
+from batchinfer.engine.layers.quantization import FORMATS, QUANTIZATIONS, GGUFBlocks, quantization_format
 
 
 def _choices(command: click.Command) -> tuple[str, ...]:

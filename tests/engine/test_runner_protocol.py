@@ -13,11 +13,11 @@ import torch
 
 from batchinfer.config import Settings
 from batchinfer.engine import LLM, SamplingParams
-from batchinfer.engine.distributed import tp_world_size
-from batchinfer.engine.model_runner import ModelRunner
-from batchinfer.engine.pp_runner import PipelineParallelRunner
-from batchinfer.engine.runner_protocol import ModelRunnerProtocol
-from batchinfer.engine.tp_runner import TensorParallelRunner
+from batchinfer.engine.parallel.distributed import tp_world_size
+from batchinfer.engine.parallel.pp_runner import PipelineParallelRunner
+from batchinfer.engine.parallel.tp_runner import TensorParallelRunner
+from batchinfer.engine.worker.model_runner import ModelRunner
+from batchinfer.engine.worker.runner_protocol import ModelRunnerProtocol
 
 TEXTS = ["the cat reads a book", "a much longer sentence about the dog and the bird, read twice by the cat"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from batchinfer.engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p
+from batchinfer.engine.core.sequence import Sequence
+from batchinfer.engine.sampling.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p
 from batchinfer.engine.sampling_params import SamplingParams
-from batchinfer.engine.sequence import Sequence
 
 VOCAB = 12
 EOS = 11

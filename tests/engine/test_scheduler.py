@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 import random
 
-from batchinfer.engine.block_manager import BlockManager
 from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.core.block_manager import BlockManager
+from batchinfer.engine.core.scheduler import Scheduler, SchedulerOutput
+from batchinfer.engine.core.sequence import Sequence, SequenceStatus
 from batchinfer.engine.sampling_params import SamplingParams
-from batchinfer.engine.scheduler import Scheduler, SchedulerOutput
-from batchinfer.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 _fresh_tokens = itertools.count(1000)  # distinct prompts share no prefix unless a test says so

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from batchinfer.engine.spec_decode.ngram import NgramProposer, propose_ngram
 from batchinfer.engine.spec_decode.rejection import accept_greedy, accept_replay, rejection_sample
+from batchinfer.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 from tests.engine.spec_stats import assert_distributed_as, chi_square, chi_square_critical
 
 
@@ -139,7 +139,7 @@ def test_a_request_line_may_opt_out_of_speculation() -> None:
 
 def _decoding(scheduler, prompt_len: int, params, seq_id: str):
     """A sequence admitted and run to its first decode step (prompt computed, one token sampled)."""
-    from batchinfer.engine.sequence import Sequence
+    from batchinfer.engine.core.sequence import Sequence
 
     first = 1 + 100 * (ord(seq_id) - ord("a"))  # distinct prompts: no prefix-cache hits between them
     seq = Sequence(seq_id, list(range(first, first + prompt_len)), params, max_tokens=params.max_tokens or 64)
@@ -152,11 +152,11 @@ def _decoding(scheduler, prompt_len: int, params, seq_id: str):
 
 
 def test_the_scheduler_plans_lookahead_within_limits_and_never_preempts_for_it() -> None:
-    from batchinfer.engine.block_manager import BlockManager
     from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.core.block_manager import BlockManager
+    from batchinfer.engine.core.scheduler import Scheduler
+    from batchinfer.engine.core.sequence import Sequence
     from batchinfer.engine.sampling_params import SamplingParams
-    from batchinfer.engine.scheduler import Scheduler
-    from batchinfer.engine.sequence import Sequence
 
     spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 2}
     config = EngineConfig(model="m", block_size=4, speculative_config=spec)

@@ -8,7 +8,7 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchinfer.engine.stop_matcher import StopMatcher
+from batchinfer.engine.sampling.stop_matcher import StopMatcher
 
 
 def _brute_force(stops: list[str], text: str, fed: int) -> tuple[int, str] | None:

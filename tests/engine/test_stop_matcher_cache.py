@@ -3,8 +3,8 @@ data: a 1 MB line of stop strings is an automaton of ~250 MB of Python objects).
 
 from __future__ import annotations
 
-from batchinfer.engine import stop_matcher as module
-from batchinfer.engine.stop_matcher import stop_matcher
+from batchinfer.engine.sampling import stop_matcher as module
+from batchinfer.engine.sampling.stop_matcher import stop_matcher
 
 
 def test_long_stop_lists_are_kept_within_the_byte_bound_and_short_ones_shared() -> None:

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from batchinfer.engine import SamplingParams
-from batchinfer.engine.sampler import GrammarMask, Sampler
+from batchinfer.engine.core.sequence import Sequence, SequenceStatus
+from batchinfer.engine.sampling.sampler import GrammarMask, Sampler
+from batchinfer.engine.sampling.structured import GrammarBackend, GrammarState, sync
 from batchinfer.engine.sampling_params import StructuredOutputsParams
-from batchinfer.engine.sequence import Sequence, SequenceStatus
-from batchinfer.engine.structured import GrammarBackend, GrammarState, sync
 from tests.fixtures.tiny_models import build_tokenizer
 
 # Mixed schemas: enums, nested objects, arrays with min/max items, numbers with ranges, required fields,

@@ -14,7 +14,7 @@ import json
 import jsonschema
 import pytest
 
-from batchinfer.engine.grammars import (
+from batchinfer.engine.sampling.grammars import (
     ANNOTATION_KEYWORDS,
     SUPPORTED_KEYWORDS,
     UNSUPPORTED_KEYWORDS,

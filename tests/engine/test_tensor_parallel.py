@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from batchinfer.engine import LLM, SamplingParams
-from batchinfer.engine.distributed import tp_world_size
+from batchinfer.engine.parallel.distributed import tp_world_size
 from tests.fixtures.tiny_models import training_sentences
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The ThreadGovernor (engine/threads.py): the thread count re-chosen while the engine runs.
+"""The ThreadGovernor (engine/native/threads.py): the thread count re-chosen while the engine runs.
 
 The policy is driven with a scripted /proc/stat and clock; one test runs it on the real /proc/stat beside
 a real busy process, and the engine tests check who gets a governor and that its count is published.
@@ -18,8 +18,7 @@ import torch
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.llm_engine import Engine
-from batchinfer.engine.sampling_params import SamplingParams
-from batchinfer.engine.threads import (
+from batchinfer.engine.native.threads import (
     CHOSEN_MARKER,
     GOVERNOR_AGREEING_WINDOWS,
     ThreadGovernor,
@@ -29,6 +28,7 @@ from batchinfer.engine.threads import (
     threads_beside,
     usable_cores,
 )
+from batchinfer.engine.sampling_params import SamplingParams
 
 HZ = os.sysconf("SC_CLK_TCK")
 

@@ -1,4 +1,4 @@
-"""The engine's thread policy (engine/threads.py): thread count, OpenMP wait defaults, user values kept."""
+"""The engine's thread policy (engine/native/threads.py): thread count, OpenMP wait defaults, user values."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from batchinfer.engine.threads import (
+from batchinfer.engine.native.threads import (
     CHOSEN_MARKER,
     OPENMP_WAIT_DEFAULTS,
     choose_num_threads,
@@ -76,7 +76,7 @@ def test_torch_imported_afterwards_runs_the_chosen_thread_count():
     """The defaults are read by libgomp when torch is imported: a fresh process sees the chosen count."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
     script = (
-        "from batchinfer.engine.threads import configure_openmp_env\n"
+        "from batchinfer.engine.native.threads import configure_openmp_env\n"
         "applied = configure_openmp_env()\n"
         "import torch\n"
         "print(applied['OMP_NUM_THREADS'], torch.get_num_threads())\n"

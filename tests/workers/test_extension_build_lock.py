@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from batchinfer.engine.layers import cpu_attention, native_build
+from batchinfer.engine.layers import cpu_attention
+from batchinfer.engine.native import build as native_build
 
 LOAD = textwrap.dedent("""
     import logging, sys
@@ -30,7 +31,7 @@ LOAD = textwrap.dedent("""
 HOLD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from batchinfer.engine.layers import native_build
+    from batchinfer.engine.native import build as native_build
     directory = Path(sys.argv[1])
     with native_build.build_lock(directory, wait_s=5) as held:
         assert held

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from batchinfer.engine.layers import native_build
-from batchinfer.engine.layers.native_build import BUILD_WAIT_S, NativeBuild
+from batchinfer.engine.native import build as native_build
+from batchinfer.engine.native.build import BUILD_WAIT_S, NativeBuild
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchinfer.engine.distributed import all_reduce, gather_last_dim
 from batchinfer.engine.layers.linear import read_part, shape_of, tp_rank, tp_world_size
+from batchinfer.engine.parallel.distributed import all_reduce, gather_last_dim
 
 
 class VocabParallelEmbedding(nn.Module):

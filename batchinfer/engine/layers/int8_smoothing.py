@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from batchinfer.engine.distributed import tp_world_size
 from batchinfer.engine.layers.context import AttentionContext, set_context
 from batchinfer.engine.layers.linear import LinearBase
+from batchinfer.engine.parallel.distributed import tp_world_size
 
 if TYPE_CHECKING:  # the smoothed model is Llama's; imported for types only (models import layers)
     from batchinfer.engine.layers.norm import RMSNorm
@@ -108,7 +108,7 @@ def per_token_input_layers(model: nn.Module) -> set[nn.Module]:
 def calibration_token_ids(model_path: str | Path, max_len: int) -> list[list[int]]:
     """The calibration inputs in the model's tokenizer (the plain text, and the chat in its template), each
     cut into pieces of at most max_len tokens (the model's context: its rotary table ends there)."""
-    from batchinfer.engine.loader import load_tokenizer
+    from batchinfer.engine.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
     sequences = [list(tokenizer(CALIBRATION_TEXT).input_ids)]

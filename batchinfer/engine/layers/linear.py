@@ -1,7 +1,7 @@
 """Linear layers under their tensor-parallel names (vLLM's): column-parallel splits the output features
 across ranks, row-parallel splits the input features and all-reduces the partial sums.
 
-Rank and world size come from batchinfer.engine.distributed (set before the model is built). Each
+Rank and world size come from batchinfer.engine.parallel.distributed (set before the model is built). Each
 parameter carries a `weight_loader(param, loaded, shard_id=None)` that the model loader calls; `loaded` is a
 tensor or a safetensors slice (get_slice), so a rank reads only its own rows/columns from disk.
 KV heads: with fewer KV heads than ranks each KV head is replicated on world_size / num_kv_heads ranks.
@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchinfer.engine.distributed import all_reduce, tp_rank, tp_world_size
 from batchinfer.engine.layers.context import current_lora_batch
 from batchinfer.engine.layers.partition import divide, local_kv_heads
+from batchinfer.engine.parallel.distributed import all_reduce, tp_rank, tp_world_size
 
 __all__ = ["local_kv_heads", "tp_rank", "tp_world_size"]
 

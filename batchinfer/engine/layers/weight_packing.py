@@ -14,7 +14,7 @@ without VNNI that takes bench/quality.py's fixed-text mean log-prob from 32% off
 is int8 too (about 1% of that delta).
 
 pack_linears(model, kernels) sets each LinearBase / ParallelLMHead's `packed` callable (x -> y with its
-bias), the kernel the weight format chooses (engine/quantization.py: dense, int8, gguf); the modules fall
+bias), the kernel the weight format chooses (layers/quantization.py: dense, int8, gguf); the modules fall
 back to F.linear when it is None (CUDA, float16, bf16 on a CPU without AVX-512, BATCHINFER_CPU_LINEAR=aten).
 The dense weight of a packed linear is released (the LM head's stays: it may be the tied embedding).
 """
@@ -29,8 +29,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from batchinfer.engine.cpu_features import cpu_has_vnni
 from batchinfer.engine.layers.cpu_attention import fused_ops_for
+from batchinfer.engine.native.cpu_features import cpu_has_vnni
 
 CPU_LINEAR_ENV = "BATCHINFER_CPU_LINEAR"  # "onednn" (default) or "aten" (plain F.linear, for A/B runs)
 
@@ -106,7 +106,7 @@ def cpu_linear_mode() -> str:
 
 
 class LinearKernels(Protocol):
-    """What pack_linears asks a weight format (engine/quantization.py) for each linear."""
+    """What pack_linears asks a weight format (engine/layers/quantization.py) for each linear."""
 
     def per_token_layers(self, model: nn.Module) -> set[nn.Module]: ...
 

@@ -15,10 +15,10 @@ import torch
 from cachetools import LRUCache
 from torch import nn
 
-from batchinfer.engine.distributed import tp_rank, tp_world_size
 from batchinfer.engine.lora.adapter import TARGET_MODULES, LoRAAdapter, LoRAError, load_adapter
 from batchinfer.engine.lora.layers import LoRABatch, StackCache, build_lora_batch
 from batchinfer.engine.lora.request import LoRARequest
+from batchinfer.engine.parallel.distributed import tp_rank, tp_world_size
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 from batchinfer.engine.metrics import LABELS, PREFIX
 
 if TYPE_CHECKING:
-    from batchinfer.engine.scheduler import Scheduler
+    from batchinfer.engine.core.scheduler import Scheduler
 
 FOLD_INTERVAL_S = 1.0
 _FAMILIES: dict[int, Gauge] = {}

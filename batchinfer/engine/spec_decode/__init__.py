@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchinfer.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from batchinfer.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 
 __all__ = ["SpeculativeConfig", "make_proposer", "parse_speculative_config"]
 

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.quantization import quantization_format
-from batchinfer.engine.resolved_model import resolve_model
-from batchinfer.engine.sampler import Sampler, argmax_rows
-from batchinfer.engine.spec_decode.config import SpeculativeConfig
+from batchinfer.engine.layers.quantization import quantization_format
+from batchinfer.engine.models.resolved_model import resolve_model
+from batchinfer.engine.sampling.sampler import Sampler, argmax_rows
 from batchinfer.engine.spec_decode.rejection import sample_exponential_race
+from batchinfer.engine.speculative_config import SpeculativeConfig
 
 
 @dataclasses.dataclass
@@ -47,7 +47,7 @@ class DraftModelProposer:
 
     def __init__(self, spec: SpeculativeConfig, target_config: EngineConfig, *, num_kv_blocks: int,
                  vocab_size: int, max_model_len: int) -> None:
-        from batchinfer.engine.model_runner import ModelRunner
+        from batchinfer.engine.worker.model_runner import ModelRunner
 
         assert spec.model is not None
         # A GGUF target's block format applies to a GGUF draft only; another draft runs in the target's dtype.

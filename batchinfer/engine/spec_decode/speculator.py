@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchinfer.engine.spec_decode import make_proposer
-from batchinfer.engine.spec_decode.config import SpeculativeConfig
 from batchinfer.engine.spec_decode.verify import Proposal, verify
+from batchinfer.engine.speculative_config import SpeculativeConfig
 
 
 @dataclass

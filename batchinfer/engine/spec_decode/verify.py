@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from batchinfer.engine.sampler import SampleLogprobs, Sampler, argmax_rows, gather_logprobs
+from batchinfer.engine.sampling.sampler import SampleLogprobs, Sampler, argmax_rows, gather_logprobs
 from batchinfer.engine.spec_decode.rejection import accept_greedy, accept_replay, rejection_sample
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchinfer.engine.block_manager import cdiv
+from batchinfer.engine.core.block_manager import cdiv
 from batchinfer.engine.sampling_params import SamplingParams
 
 

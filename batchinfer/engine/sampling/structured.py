@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from cachetools import LRUCache
 
-from batchinfer.engine.grammars import DEFAULT_GRAMMAR_BUDGET, GrammarError, build_grammar
+from batchinfer.engine.sampling.grammars import DEFAULT_GRAMMAR_BUDGET, GrammarError, build_grammar
 from batchinfer.engine.sampling_params import StructuredOutputsParams
 from batchinfer.fair_pool import FairPool
 
 if TYPE_CHECKING:
-    from batchinfer.engine.sequence import Sequence
+    from batchinfer.engine.core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

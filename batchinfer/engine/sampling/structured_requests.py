@@ -15,10 +15,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.sampler import GrammarMask
+from batchinfer.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from batchinfer.engine.sampling.sampler import GrammarMask
+from batchinfer.engine.sampling.structured import GrammarBackend
 from batchinfer.engine.sampling_params import StructuredOutputsParams
-from batchinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from batchinfer.engine.structured import GrammarBackend
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # with nothing else to run, how long one step waits for a grammar to compile

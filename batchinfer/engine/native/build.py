@@ -66,7 +66,7 @@ def cache_key(source: str, cflags: list[str], ldflags: list[str]) -> str:
     """12 hex digits of everything that decides the binary (see the module docstring)."""
     import torch
 
-    from batchinfer.engine.cpu_features import cpu_flags
+    from batchinfer.engine.native.cpu_features import cpu_flags
 
     parts = [
         source, torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), sys.implementation.cache_tag,

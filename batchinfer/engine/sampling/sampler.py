@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from batchinfer.engine.logits_controls import ControlsCache, apply_logits_controls
-from batchinfer.engine.sequence import Sequence
+from batchinfer.engine.core.sequence import Sequence
+from batchinfer.engine.sampling.logits_controls import ControlsCache, apply_logits_controls
 
 
 @dataclass

@@ -37,10 +37,11 @@ import torch
 import torch.distributed as dist
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.distributed import CMD_EXIT, CMD_STEP
 from batchinfer.engine.errors import RankFailedError
 from batchinfer.engine.models.pipeline_stage import split_layers
-from batchinfer.engine.pp_stage import (
+from batchinfer.engine.models.resolved_model import ResolvedModel, resolve_model
+from batchinfer.engine.parallel.distributed import CMD_EXIT, CMD_STEP
+from batchinfer.engine.parallel.pp_stage import (
     PIPE_STATS,
     StageRunner,
     Topology,
@@ -50,10 +51,9 @@ from batchinfer.engine.pp_stage import (
     init_pipeline,
     wait_for,
 )
-from batchinfer.engine.rank_processes import RankProcess, spawn_rank, wait_started
-from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
-from batchinfer.engine.runner_protocol import EMBEDDINGS_NEED_ONE_STAGE, LORA_NEEDS_ONE_RANK
-from batchinfer.engine.tp_runner import _free_port, check_tensor_parallel_size, rank_device
+from batchinfer.engine.parallel.rank_processes import RankProcess, spawn_rank, wait_started
+from batchinfer.engine.parallel.tp_runner import _free_port, check_tensor_parallel_size, rank_device
+from batchinfer.engine.worker.runner_protocol import EMBEDDINGS_NEED_ONE_STAGE, LORA_NEEDS_ONE_RANK
 
 logger = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ class PipelineParallelRunner:
 
 def _make_launcher(config: EngineConfig) -> Any:
     if config.distributed_executor_backend == "ray":
-        from batchinfer.engine.ray_executor import RayLauncher
+        from batchinfer.engine.parallel.ray_executor import RayLauncher
 
         return RayLauncher()
     return ProcessLauncher()
@@ -318,8 +318,8 @@ class ProcessLauncher:
 
     def start(self, config: EngineConfig, model: ResolvedModel, topology: Topology, backend: str) -> str:
         """Start every non-driver rank; the init_method they join."""
-        from batchinfer.engine.pp_stage import worker_main
-        from batchinfer.engine.tp_runner import _threads_per_rank
+        from batchinfer.engine.parallel.pp_stage import worker_main
+        from batchinfer.engine.parallel.tp_runner import _threads_per_rank
 
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.threads_per_rank = _threads_per_rank(topology.world_size)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from batchinfer.engine.sequence import Sequence, SequenceStatus
+from batchinfer.engine.core.sequence import Sequence, SequenceStatus
 
 
 def check_stop(seq: Sequence, token_id: int, eos_token_ids: Container[int], max_model_len: int) -> bool:

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from batchinfer.engine.core.sequence import Sequence
 from batchinfer.engine.outputs import make_logprob_entry
-from batchinfer.engine.sampler import gather_logprobs
-from batchinfer.engine.sequence import Sequence
+from batchinfer.engine.sampling.sampler import gather_logprobs
 
 
 def logits_counts(scheduled: Seq[tuple[Sequence, int]]) -> list[int]:

@@ -10,21 +10,21 @@
 from __future__ import annotations
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.resolved_model import ResolvedModel
-from batchinfer.engine.runner_protocol import ModelRunnerProtocol
+from batchinfer.engine.models.resolved_model import ResolvedModel
+from batchinfer.engine.worker.runner_protocol import ModelRunnerProtocol
 
 
 def make_model_runner(config: EngineConfig, model: ResolvedModel) -> ModelRunnerProtocol:
     """The runner for config's parallel sizes and executor backend, over the already resolved model."""
     ranks = config.tensor_parallel_size * config.pipeline_parallel_size
     if config.pipeline_parallel_size > 1 or (ranks > 1 and config.distributed_executor_backend == "ray"):
-        from batchinfer.engine.pp_runner import PipelineParallelRunner
+        from batchinfer.engine.parallel.pp_runner import PipelineParallelRunner
 
         return PipelineParallelRunner(config, model)
     if config.tensor_parallel_size > 1:
-        from batchinfer.engine.tp_runner import TensorParallelRunner
+        from batchinfer.engine.parallel.tp_runner import TensorParallelRunner
 
         return TensorParallelRunner(config, model)
-    from batchinfer.engine.model_runner import ModelRunner
+    from batchinfer.engine.worker.model_runner import ModelRunner
 
     return ModelRunner(config, model)

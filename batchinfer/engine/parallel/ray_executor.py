@@ -26,8 +26,8 @@ import socket
 from typing import Any
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.pp_stage import Topology, worker_main
-from batchinfer.engine.resolved_model import ResolvedModel
+from batchinfer.engine.models.resolved_model import ResolvedModel
+from batchinfer.engine.parallel.pp_stage import Topology, worker_main
 
 logger = logging.getLogger(__name__)
 

@@ -240,7 +240,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
     """
     from safetensors import safe_open
 
-    from batchinfer.engine.distributed import tp_world_size
+    from batchinfer.engine.parallel.distributed import tp_world_size
 
     path = Path(path)
     params = dict(model.named_parameters())  # a tied head is not listed separately

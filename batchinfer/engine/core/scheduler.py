@@ -35,9 +35,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from batchinfer.engine.block_manager import BlockManager, cdiv
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.sequence import Sequence, SequenceStatus
+from batchinfer.engine.core.block_manager import BlockManager, cdiv
+from batchinfer.engine.core.sequence import Sequence, SequenceStatus
 
 PROMPT_LOGPROBS_CHUNK = 256
 

@@ -29,16 +29,16 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.cuda_graphs import DecodeGraphs
-from batchinfer.engine.distributed import all_reduce_min_int
 from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.attention_plan import build_torch_plan
 from batchinfer.engine.layers.context import AttentionContext, set_context
-from batchinfer.engine.loader import load_weights
+from batchinfer.engine.layers.quantization import pack_weights, quantization_format
 from batchinfer.engine.models import get_model_class
-from batchinfer.engine.quantization import pack_weights, quantization_format
-from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
+from batchinfer.engine.models.loader import load_weights
+from batchinfer.engine.models.resolved_model import ResolvedModel, resolve_model
+from batchinfer.engine.parallel.distributed import all_reduce_min_int
+from batchinfer.engine.worker.cuda_graphs import DecodeGraphs
 
 if TYPE_CHECKING:  # the one architecture; imported for types only
     from batchinfer.engine.models.llama import LlamaForCausalLM

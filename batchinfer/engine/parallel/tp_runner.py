@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from batchinfer.engine import distributed
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.errors import RankFailedError
-from batchinfer.engine.model_runner import ModelRunner
-from batchinfer.engine.rank_processes import CONTEXT, RankProcess, spawn_rank, wait_started
-from batchinfer.engine.resolved_model import ResolvedModel, resolve_model
+from batchinfer.engine.models.resolved_model import ResolvedModel, resolve_model
+from batchinfer.engine.parallel import distributed
+from batchinfer.engine.parallel.rank_processes import CONTEXT, RankProcess, spawn_rank, wait_started
+from batchinfer.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ import struct
 from collections.abc import Sequence as SeqOf
 from dataclasses import dataclass
 
-from batchinfer.engine.sequence import Sequence
+from batchinfer.engine.core.sequence import Sequence
 
 NONE_HASH = bytes(32)  # parent hash of the first block
 

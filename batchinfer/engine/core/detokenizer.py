@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchinfer.engine.sampling.stop_matcher import stop_matcher
 from batchinfer.engine.sampling_params import SamplingParams
-from batchinfer.engine.stop_matcher import stop_matcher
 
 INITIAL_CONTEXT_TOKENS = 5  # prompt tokens decoded as left context of the first output token
 

@@ -39,17 +39,17 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
-from batchinfer.engine import distributed
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.distributed import CMD_EXIT, CMD_STEP, StepSequence, _TokenWindow
 from batchinfer.engine.errors import RankFailedError
 from batchinfer.engine.layers.context import set_context
-from batchinfer.engine.loader import load_weights
-from batchinfer.engine.model_runner import ModelRunner, _default_dtype
 from batchinfer.engine.models import get_model_class
+from batchinfer.engine.models.loader import load_weights
 from batchinfer.engine.models.pipeline_stage import PipelineStage
-from batchinfer.engine.resolved_model import ResolvedModel
-from batchinfer.engine.runner_protocol import EMBEDDINGS_NEED_ONE_STAGE
+from batchinfer.engine.models.resolved_model import ResolvedModel
+from batchinfer.engine.parallel import distributed
+from batchinfer.engine.parallel.distributed import CMD_EXIT, CMD_STEP, StepSequence, _TokenWindow
+from batchinfer.engine.worker.model_runner import ModelRunner, _default_dtype
+from batchinfer.engine.worker.runner_protocol import EMBEDDINGS_NEED_ONE_STAGE
 
 if TYPE_CHECKING:  # the one architecture; imported for types only
     from batchinfer.engine.models.llama import LlamaForCausalLM

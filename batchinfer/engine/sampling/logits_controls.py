@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from cachetools import LRUCache
 
-from batchinfer.engine.sequence import Sequence
+from batchinfer.engine.core.sequence import Sequence
 
 CONTROLS_CACHE_BYTES = 256 << 20  # precomputed rows of the requests in flight (a row is 4 x vocab bytes)
 

@@ -1,0 +1,1 @@
+"""Many ranks as one runner: tensor- and pipeline-parallel runners, rank processes and executors."""

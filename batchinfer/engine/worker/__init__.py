@@ -1,0 +1,1 @@
+"""One rank's model runner: the runner protocol the engine calls, its implementation, CUDA graphs."""
