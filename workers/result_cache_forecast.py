@@ -19,11 +19,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings
-from batchinfer.engine.sampling_params import SamplingParams
-from batchinfer.formats import NormalizedRequest
 from batchinfer.store.db import end_transaction
 from batchinfer.store.models import Job, Request, RequestStatus, ResultBody, request_id_for
 from batchinfer.store.shards import PendingRequest
+from batchinfer.wire.request import NormalizedRequest, decode_stored, encode_stored
 from workers.result_cache import ModelIdentity, cache_scope, request_key
 
 RECENT_JOBS = 20  # the model's newest jobs searched for a recorded identity
@@ -58,9 +57,8 @@ def recorded_identity(session: Session, *, model: str) -> ModelIdentity | None:
 
 def as_pending(request: NormalizedRequest) -> PendingRequest:
     """The request as a worker reads it back from its stored payload (store.shards.pending_requests)."""
-    data = orjson.loads(orjson.dumps(request.payload()))
-    return PendingRequest(0, request.custom_id or "", 0, request.endpoint.value, data.get("messages"),
-                          data.get("prompt"), SamplingParams.from_dict(data["params"]), data.get("options"))
+    stored = decode_stored(encode_stored(request))
+    return PendingRequest.from_stored(0, request.custom_id or "", 0, request.endpoint.value, stored)
 
 
 def cache_hits(session: Session, requests: Sequence[NormalizedRequest], *, model: str, owner: str,

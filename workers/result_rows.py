@@ -9,8 +9,8 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from batchinfer.embedding_lines import encode
 from batchinfer.store.shards import PendingRequest
+from batchinfer.wire.embeddings import encode
 
 if TYPE_CHECKING:
     from batchinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput

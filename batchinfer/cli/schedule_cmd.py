@@ -65,7 +65,8 @@ def _params(pairs: tuple[str, ...]) -> dict[str, Any] | None:
         except orjson.JSONDecodeError:
             out[key] = raw
     if out:
-        from batchinfer.formats import LineError, check_sampling_fields
+        from batchinfer.wire.input_line import check_sampling_fields
+        from batchinfer.wire.request import LineError
 
         try:
             check_sampling_fields(out)

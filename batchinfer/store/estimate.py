@@ -29,11 +29,12 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings
-from batchinfer.formats import Endpoint, LineError, NormalizedRequest, parse_line
 from batchinfer.store.db import end_transaction
 from batchinfer.store.ingest import MAX_LISTED_ERRORS, IngestLimits, iter_lines
 from batchinfer.store.models import Job, JobStatus, Request, RequestStatus, Shard, request_id_for, utcnow
 from batchinfer.store.workers import list_workers
+from batchinfer.wire.input_line import parse_line
+from batchinfer.wire.request import Endpoint, LineError, NormalizedRequest
 
 HISTORY_JOBS = 20  # the most recent finished jobs of the model the rates come from
 HISTORY_REQUESTS = 5000  # the most recent finished requests the output share comes from

@@ -22,24 +22,14 @@ import logging
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import BinaryIO
 from zlib import crc32
 
-import orjson
 from sqlalchemy import Engine, insert
 from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings
-from batchinfer.formats import (
-    DEFAULT_GRAMMAR_BUDGET,
-    ENDPOINT_TO_URL,
-    URL_TO_ENDPOINT,
-    Endpoint,
-    GrammarBudget,
-    LineError,
-    parse_line,
-)
-from batchinfer.request_budget import RequestBudget
+from batchinfer.engine.sampling.grammars import DEFAULT_GRAMMAR_BUDGET, GrammarBudget
 from batchinfer.store.ingest_writer import ChunkWriter, Duplicate
 from batchinfer.store.line_models import ModelRouting
 from batchinfer.store.models import (
@@ -49,6 +39,16 @@ from batchinfer.store.models import (
     ShardStatus,
     request_id_for,
     utcnow,
+)
+from batchinfer.wire.budget import RequestBudget
+from batchinfer.wire.input_line import parse_line
+from batchinfer.wire.request import (
+    ENDPOINT_TO_URL,
+    URL_TO_ENDPOINT,
+    Endpoint,
+    LineError,
+    LineErrorEntry,
+    encode_stored,
 )
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class IngestLimits:
     max_requests: int = 5_000_000
     max_metadata_bytes: int = 16 * 1024
     chunk_bytes: int = 8 << 20  # a chunk commits at this many input bytes (or chunk_rows rows): flat RSS
-    budget: RequestBudget | None = None  # per-request resource bounds (request_budget.py); None: unchecked
+    budget: RequestBudget | None = None  # per-request resource bounds (wire/budget.py); None: unchecked
     constraint_budget: GrammarBudget = DEFAULT_GRAMMAR_BUDGET  # structured output's depth, size, time
 
     @classmethod
@@ -83,7 +83,7 @@ class IngestResult:
     total: int = 0  # request rows written (valid + invalid lines)
     valid: int = 0
     invalid: int = 0
-    errors: list[dict[str, Any]] = field(default_factory=list)  # [{code, message, line, param}]
+    errors: list[LineErrorEntry] = field(default_factory=list)
     fatal: str | None = None
     # The shard plan: prefix key and line number of each valid line, in input order (12 bytes a line).
     keys: array = field(default_factory=lambda: array("Q"))
@@ -146,7 +146,7 @@ def iter_lines(stream: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, byt
         yield line_number, content, None
 
 
-def _skip_rest_of_line(readline: Any) -> int:
+def _skip_rest_of_line(readline: Callable[[int], bytes]) -> int:
     skipped = 0
     while True:
         chunk = readline(1 << 16)
@@ -174,7 +174,7 @@ def ingest_file(engine: Engine, *, job_id: int, stream: BinaryIO, limits: Ingest
     result = IngestResult()
     rows: list[tuple] = []
     queued = chunk_bytes = 0
-    pending, errored, dumps = RequestStatus.PENDING.value, RequestStatus.ERRORED.value, orjson.dumps
+    pending, errored = RequestStatus.PENDING.value, RequestStatus.ERRORED.value
     base_id = request_id_for(job_id, 0)
     add_key, add_line = result.keys.append, result.lines.append
 
@@ -211,7 +211,7 @@ def ingest_file(engine: Engine, *, job_id: int, stream: BinaryIO, limits: Ingest
                                         f"endpoint {endpoint}; every line must use it", code="invalid_url",
                                         param="url", custom_id=request.custom_id)
                     row = (base_id | line_number, job_id, line_number, request.custom_id, pending,
-                           _ENDPOINT_VALUE[request.endpoint], dumps(request.payload()).decode(), None, None)
+                           _ENDPOINT_VALUE[request.endpoint], encode_stored(request), None, None)
                     key = prefix_key(request.prefix_text())
                 except LineError as exc:
                     bad(line_number, exc.message, exc.code, exc.param, exc.custom_id)

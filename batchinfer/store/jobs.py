@@ -21,7 +21,6 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings
-from batchinfer.formats import URL_TO_ENDPOINT, validate_metadata
 from batchinfer.store.budgets import check_budget
 from batchinfer.store.db import end_transaction, single_flight, write_transaction
 from batchinfer.store.errors import JobError, JobStateError
@@ -41,6 +40,8 @@ from batchinfer.store.models import (
 from batchinfer.store.quotas import charge_storage
 from batchinfer.store.result_cache import check_mode as check_result_cache_mode
 from batchinfer.store.transitions import finalize_if_done, lock_job, stop_pending
+from batchinfer.wire.input_line import validate_metadata
+from batchinfer.wire.request import URL_TO_ENDPOINT
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session
 
-from batchinfer.formats import LineError
 from batchinfer.store.workers import served_models
+from batchinfer.wire.request import LineError
 
 if TYPE_CHECKING:
     import numpy as np

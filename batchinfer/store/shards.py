@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-import orjson
 from sqlalchemy import String, cast, func, literal, select, update
 from sqlalchemy.orm import Session
 
@@ -31,6 +30,7 @@ from batchinfer.store.models import Job, JobStatus, Request, RequestStatus, Shar
 from batchinfer.store.progress import InflightReport
 from batchinfer.store.results import apply_results
 from batchinfer.store.transitions import finalize_if_done, lock_job, lock_shard
+from batchinfer.wire.request import ChatMessage, RequestOptions, StoredRequest, decode_stored
 
 RESCUE_LOCK_KEY = 0x6261746368  # pg advisory lock id: "batch"
 
@@ -56,11 +56,18 @@ class PendingRequest:
     request_id: int
     custom_id: str
     line_number: int
-    endpoint: str  # "chat" | "completions"
-    messages: list[dict[str, Any]] | None
+    endpoint: str  # an Endpoint's value (batchinfer/wire/request.py)
+    messages: list[ChatMessage] | None
     prompt: str | list[int] | None
     params: SamplingParams  # from_dict of what ingest stored: validated there, not again
-    options: dict[str, Any] | None = None  # echo, chat template arguments (batchinfer/request_options.py)
+    options: RequestOptions | None = None  # echo, chat template arguments, embeddings input
+
+    @classmethod
+    def from_stored(cls, request_id: int, custom_id: str, line_number: int, endpoint: str,
+                    stored: StoredRequest) -> PendingRequest:
+        """The request of a stored payload (wire/request.py's StoredRequest, as ingest wrote it)."""
+        return cls(request_id, custom_id, line_number, endpoint, stored.messages, stored.prompt,
+                   stored.sampling_params(), stored.options)
 
 
 @dataclass
@@ -151,10 +158,8 @@ def pending_requests(session: Session, *, shard_id: int) -> list[PendingRequest]
     rows.sort(key=lambda row: order[row.id])
     out = []
     for request_id, custom_id, line_number, endpoint, payload in rows:
-        data = orjson.loads(payload)
-        out.append(PendingRequest(request_id, custom_id, line_number, endpoint, data.get("messages"),
-                                  data.get("prompt"), SamplingParams.from_dict(data["params"]),
-                                  data.get("options")))
+        out.append(PendingRequest.from_stored(request_id, custom_id, line_number, endpoint,
+                                              decode_stored(payload)))
     return out
 
 

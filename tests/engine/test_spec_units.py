@@ -124,7 +124,8 @@ def test_the_chi_square_check_rejects_a_wrong_distribution() -> None:
 def test_a_request_line_may_opt_out_of_speculation() -> None:
     import orjson
 
-    from batchinfer.formats import LineError, parse_line
+    from batchinfer.wire.input_line import parse_line
+    from batchinfer.wire.request import LineError
 
     def line(value: object) -> bytes:
         body = {"messages": [{"role": "user", "content": "a"}], "speculative_decoding": value}

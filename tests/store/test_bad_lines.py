@@ -15,11 +15,11 @@ import pytest
 from sqlalchemy import select
 
 from batchinfer.engine.sampling_params import SamplingParams
-from batchinfer.formats import parse_line
 from batchinfer.store import shards
 from batchinfer.store.export import export_results
 from batchinfer.store.ingest import BOM, IngestLimits
 from batchinfer.store.models import JobStatus, Request, RequestStatus, Shard
+from batchinfer.wire.input_line import parse_line
 from tests.store.helpers import submit_job
 
 MAX_LINE_BYTES = 4096

@@ -1,4 +1,4 @@
-"""batchinfer.formats and output_lines: input lines to SamplingParams, schedule defaults, output lines."""
+"""wire.input_line and wire.output_line: input lines to SamplingParams, schedule defaults, output lines."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ import orjson
 import pytest
 
 from batchinfer.engine.sampling_params import SamplingParams
-from batchinfer.formats import (
-    SAMPLING_FIELDS,
-    Endpoint,
-    LineError,
-    check_sampling_fields,
-    parse_line,
+from batchinfer.wire.input_line import SAMPLING_FIELDS, check_sampling_fields, parse_line
+from batchinfer.wire.output_line import (
+    ChatCompletion,
+    encode_line,
+    error_line,
+    output_line,
+    read_output_line,
+    response_body,
 )
-from batchinfer.output_lines import BatchOutputLine, error_line, output_line, response_body
+from batchinfer.wire.request import Endpoint, LineError, encode_stored
 
 USER = [{"role": "user", "content": "a"}]
 
@@ -45,18 +47,18 @@ def test_openai_chat_line_maps_sampling_fields_to_vllm_names():
         frequency_penalty=-0.2, logprobs=4, top_k=40, min_p=0.05, repetition_penalty=1.1, min_tokens=2,
         stop_token_ids=[7], ignore_eos=False, skip_special_tokens=True)
     # What the requests table stores: vLLM names, only what differs from SamplingParams' defaults.
-    assert request.payload()["params"] == {
+    assert request.payload().params == {
         "max_tokens": 20, "temperature": 0.5, "top_p": 0.9, "n": 2, "stop": ["\n\n"], "seed": 3,
         "presence_penalty": 0.1, "frequency_penalty": -0.2, "logprobs": 4, "top_k": 40, "min_p": 0.05,
         "repetition_penalty": 1.1, "min_tokens": 2, "stop_token_ids": [7]}
-    assert SamplingParams.from_dict(request.payload()["params"]) == request.params  # what the worker runs
+    assert SamplingParams.from_dict(request.payload().params) == request.params  # what the worker runs
 
 
 def test_completions_logprobs_is_a_count_and_missing_max_tokens_means_no_limit():
     request = parse_line(envelope("/v1/completions", {"prompt": "Once upon a time", "logprobs": 2}), 1)
     assert request.endpoint is Endpoint.COMPLETIONS and request.prompt == "Once upon a time"
     assert request.params == SamplingParams(logprobs=2, max_tokens=None)
-    assert request.payload()["params"] == {"logprobs": 2, "max_tokens": None}
+    assert request.payload().params == {"logprobs": 2, "max_tokens": None}
     assert parse_line(envelope("/v1/completions", {"prompt": [1, 2, 3]}), 1).prompt == [1, 2, 3]
 
 
@@ -66,7 +68,8 @@ def test_shorthand_lines_get_line_number_ids_and_may_name_their_own():
     text = parse_line(b'{"prompt": "2+2=", "temperature": 0}', 9)
     assert (text.custom_id, text.endpoint) == ("line-9", Endpoint.COMPLETIONS)
     named = parse_line(b'{"custom_id": "mine", "prompt": "x"}', 3)
-    assert named.custom_id == "mine" and named.payload() == {"prompt": "x", "params": {"max_tokens": None}}
+    assert named.custom_id == "mine"
+    assert orjson.loads(encode_stored(named)) == {"prompt": "x", "params": {"max_tokens": None}}
 
 
 def test_cached_option_validation_keeps_int_float_and_bool_apart():
@@ -145,8 +148,8 @@ def test_output_and_error_lines_have_the_openai_shape():
     body = response_body(endpoint="chat", model="m", request_key=5, created=1700000000,
                          choices=[{"text": "Paris", "finish_reason": "stop"}], prompt_tokens=12,
                          completion_tokens=2, cached_tokens=8)
-    ok = BatchOutputLine.model_validate(output_line(request_key=5, custom_id="q", body=body))
-    assert ok.response.body.object == "chat.completion" and ok.error is None
+    ok = read_output_line(output_line(request_key=5, custom_id="q", body=body))
+    assert isinstance(ok.response.body, ChatCompletion) and ok.error is None  # the tag: "chat.completion"
     assert ok.response.body.choices[0]["message"] == {"role": "assistant", "content": "Paris"}
     assert ok.response.body.usage.total_tokens == 14
     assert ok.response.body.usage.prompt_tokens_details.cached_tokens == 8
@@ -154,9 +157,13 @@ def test_output_and_error_lines_have_the_openai_shape():
                          choices=[{"text": " four", "finish_reason": "length"}], prompt_tokens=3,
                          completion_tokens=1, cached_tokens=0)
     assert text["object"] == "text_completion" and text["choices"][0]["text"] == " four"
-    fragment = orjson.Fragment(orjson.dumps(body))  # export splices the stored JSON
-    assert orjson.loads(orjson.dumps(output_line(request_key=5, custom_id="q", body=fragment))) == \
-        orjson.loads(orjson.dumps(output_line(request_key=5, custom_id="q", body=body)))
-    err = BatchOutputLine.model_validate(error_line(request_key=7, custom_id="r", code="worker_lost",
+    stored = orjson.dumps(body)  # export splices the stored JSON as it is
+    assert encode_line(output_line(request_key=5, custom_id="q", body=stored)) == \
+        encode_line(output_line(request_key=5, custom_id="q", body=body))
+    traced = output_line(request_key=5, custom_id="q", body=stored, provenance=b'{"engine": "e"}')
+    assert orjson.loads(encode_line(traced))["provenance"] == {"engine": "e"}
+    plain = output_line(request_key=5, custom_id="q", body=stored)
+    assert "provenance" not in orjson.loads(encode_line(plain))
+    err = read_output_line(error_line(request_key=7, custom_id="r", code="worker_lost",
                                                     message="m"))
     assert err.response is None and err.error.code == "worker_lost"

@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 from sqlalchemy import select
 
 from batchinfer.config import Settings
-from batchinfer.formats import LineError, NormalizedRequest, parse_line
-from batchinfer.request_budget import RequestBudget
 from batchinfer.store.db import get_engine, session_factory, upgrade
 from batchinfer.store.ingest import IngestLimits
 from batchinfer.store.models import JobStatus, Request, RequestStatus
+from batchinfer.wire.budget import RequestBudget
+from batchinfer.wire.input_line import parse_line
+from batchinfer.wire.request import LineError, NormalizedRequest, encode_stored
 from tests.store.helpers import submit_job
 
 USER = [{"role": "user", "content": "hi"}]
@@ -138,7 +139,7 @@ def _parse(line: bytes) -> NormalizedRequest | LineError:
     except LineError as exc:
         assert exc.code and exc.message
         return exc
-    json.dumps(request.payload())
+    encode_stored(request)
     return request
 
 

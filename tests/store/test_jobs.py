@@ -9,12 +9,12 @@ import orjson
 import pytest
 from sqlalchemy import select
 
-from batchinfer.output_lines import BatchOutputLine
 from batchinfer.store import jobs, shards
 from batchinfer.store.errors import JobError, JobNotFound, JobStateError
 from batchinfer.store.export import export_results
 from batchinfer.store.models import JobStatus, Request, RequestStatus, Shard, ShardStatus, utcnow
 from batchinfer.store.serialize import batch_object
+from batchinfer.wire.output_line import ChatCompletion, TextCompletion, read_output_line
 from tests.store.helpers import chat_line, fake_results, jsonl, submit_job
 
 SYSTEMS = ["You are a pirate. Answer every question in pirate speak, with at least one 'arr'. " * 2,
@@ -64,12 +64,12 @@ def test_round_trip_exports_every_custom_id_once_in_input_order(session):
     expected_ids = [orjson.loads(x).get("custom_id", f"line-{n}") for n, x in enumerate(lines, 1)]
     assert [o["custom_id"] for o in out] == expected_ids  # each exactly once, input order
     for o in out:
-        parsed = BatchOutputLine.model_validate(o)
+        parsed = read_output_line(o)
         assert parsed.response.status_code == 200 and parsed.error is None
         choice = parsed.response.body.choices[0]
         assert choice.get("message", {}).get("content", choice.get("text")) == f"answer to {o['custom_id']}"
-        expected_object = "text_completion" if o["custom_id"][0] in "tl" else "chat.completion"
-        assert parsed.response.body.object == expected_object
+        expected_object = TextCompletion if o["custom_id"][0] in "tl" else ChatCompletion  # by its "object"
+        assert isinstance(parsed.response.body, expected_object)
     assert list(export_results(session, job_id=job.id, kind="errors")) == []
     with pytest.raises(JobStateError, match="is completed"):
         jobs.cancel_job(session, job_id=job.id)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from batchinfer.formats import NOT_SUPPORTED_FIELDS, LineError, parse_line
+from batchinfer.wire.input_line import NOT_SUPPORTED_FIELDS, parse_line
+from batchinfer.wire.request import LineError
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -5,20 +5,13 @@ from __future__ import annotations
 
 import json
 
-import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchinfer.config import Settings
-from batchinfer.formats import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
-    ENVELOPE_FIELDS,
-    LineError,
-    NormalizedRequest,
-    parse_line,
-)
-from batchinfer.request_budget import RequestBudget
+from batchinfer.wire.budget import RequestBudget
+from batchinfer.wire.input_line import CHAT_FIELDS, COMPLETION_FIELDS, ENVELOPE_FIELDS, parse_line
+from batchinfer.wire.request import LineError, NormalizedRequest, encode_stored
 
 
 def _dumps(value: object) -> bytes:
@@ -60,7 +53,7 @@ def _check(line: bytes) -> None:
         assert exc.code and exc.message, exc
         return
     assert isinstance(request, NormalizedRequest)
-    orjson.dumps(request.payload())  # what ingest stores must serialize
+    encode_stored(request)  # what ingest stores must serialize
     request.prefix_text()
 
 

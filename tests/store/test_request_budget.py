@@ -9,9 +9,10 @@ import orjson
 import pytest
 
 from batchinfer.config import Settings
-from batchinfer.formats import LineError, parse_line
-from batchinfer.request_budget import DEFAULT_KV_TOKENS, RequestBudget, model_shape
 from batchinfer.store.models import JobStatus
+from batchinfer.wire.budget import DEFAULT_KV_TOKENS, RequestBudget, model_shape
+from batchinfer.wire.input_line import parse_line
+from batchinfer.wire.request import LineError
 from tests.store.helpers import chat_line, jsonl, submit_job
 
 # The line of the issue: 160 bytes that made a worker allocate ~1.1 GB and write an 84 MB result line.

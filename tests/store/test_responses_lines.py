@@ -6,8 +6,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from batchinfer.formats import Endpoint, LineError, parse_line
-from batchinfer.output_lines import BatchOutputLine, output_line, response_body
+from batchinfer.wire.input_line import parse_line
+from batchinfer.wire.output_line import output_line, read_output_line, response_body
+from batchinfer.wire.request import Endpoint, LineError
 
 
 def _line(body: dict) -> bytes:
@@ -67,7 +68,7 @@ def test_the_output_body_is_a_response_object() -> None:
     assert body["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2},
                              "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": 8}
-    BatchOutputLine.model_validate(output_line(request_key=7, custom_id="r1", body=body))
+    read_output_line(output_line(request_key=7, custom_id="r1", body=body))
     done = response_body(endpoint="responses", model="m", request_key=8, created=100,
                          choices=[{"text": "hi", "finish_reason": "stop", "logprobs": None}],
                          prompt_tokens=5, completion_tokens=1, cached_tokens=0)

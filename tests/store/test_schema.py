@@ -46,7 +46,7 @@ def test_the_store_never_imports_torch():
     modules = ", ".join(f"batchinfer.store.{name}" for name in (
         "db", "models", "ingest", "jobs", "shards", "transitions", "results", "export", "workers", "stats",
         "files", "apikeys", "schedules", "serialize"))
-    code = (f"import sys, {modules}, batchinfer.formats; "
+    code = (f"import sys, {modules}, batchinfer.wire.input_line; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'transformers'))]; "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

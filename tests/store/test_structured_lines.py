@@ -15,9 +15,10 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from batchinfer.formats import LineError, check_sampling_fields, parse_line
 from batchinfer.store import shards
 from batchinfer.store.models import Request, RequestStatus, Shard
+from batchinfer.wire.input_line import check_sampling_fields, parse_line
+from batchinfer.wire.request import LineError
 from tests.store.helpers import submit_job
 
 SCHEMA = {"type": "object", "properties": {"label": {"enum": ["spam", "ham"]},

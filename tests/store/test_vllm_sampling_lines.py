@@ -7,7 +7,8 @@ import orjson
 import pytest
 
 from batchinfer.engine.sampling_params import SamplingParams
-from batchinfer.formats import LineError, parse_line
+from batchinfer.wire.input_line import parse_line
+from batchinfer.wire.request import LineError, encode_stored
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -31,7 +32,7 @@ def test_new_sampling_fields_are_read_and_survive_the_payload() -> None:
     assert params.logit_bias == {17: -100.0, 5: 2.5}
     assert params.bad_words == ["cat", "big dog"] and params.allowed_token_ids == [1, 2, 3]
     assert params.truncate_prompt_tokens == 8 and params.spaces_between_special_tokens is False
-    stored = orjson.loads(orjson.dumps(request.payload()))  # what the requests table holds
+    stored = orjson.loads(encode_stored(request))  # what the requests table holds
     assert stored["params"]["logit_bias"] == {"17": -100.0, "5": 2.5}
     assert SamplingParams.from_dict(stored["params"]) == params
     assert params.has_logits_controls and not SamplingParams().has_logits_controls
@@ -63,11 +64,12 @@ def test_request_options_are_stored_beside_the_params() -> None:
                              "chat_template_kwargs": {"enable_thinking": False}}), 1)
     assert chat.options == {"add_generation_prompt": False,
                             "chat_template_kwargs": {"enable_thinking": False}}
-    assert chat.payload()["options"] == chat.options
+    assert chat.payload().options == chat.options
     completion = parse_line(_line({"prompt": "x", "echo": True}, "/v1/completions"), 1)
     assert completion.options == {"echo": True}
     plain = parse_line(_line({"prompt": "x", "echo": False}, "/v1/completions"), 1)
-    assert plain.options is None and "options" not in plain.payload()  # defaults are not stored
+    assert plain.options is None
+    assert "options" not in orjson.loads(encode_stored(plain))  # defaults are not stored
     assert "echo" in _error({"messages": USER, "echo": True}).message  # echo belongs to completions
     shorthand = parse_line(orjson.dumps({"prompt": "x", "echo": True, "logit_bias": {"3": 1}}), 4)
     assert shorthand.options == {"echo": True} and shorthand.params.logit_bias == {3: 1.0}
@@ -77,7 +79,7 @@ def test_prompt_logprobs_is_read_on_both_endpoints_and_bounded() -> None:
     for url, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": USER})):
         request = parse_line(_line({**body, "prompt_logprobs": 2}, url), 1)
         assert request.params.prompt_logprobs == 2
-        stored = orjson.loads(orjson.dumps(request.payload()))
+        stored = orjson.loads(encode_stored(request))
         assert SamplingParams.from_dict(stored["params"]).prompt_logprobs == 2
     error = _error({"prompt": "x", "prompt_logprobs": 50}, "/v1/completions")
     assert error.param == "body.prompt_logprobs" and "<= 20" in error.message

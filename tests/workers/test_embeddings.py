@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from batchinfer.config import Settings
-from batchinfer.formats import Endpoint, LineError, parse_line
-from batchinfer.output_lines import BatchOutputLine
 from batchinfer.store.db import session_factory, upgrade
 from batchinfer.store.export import export_results
 from batchinfer.store.jobs import get_job, submit_job
+from batchinfer.wire.input_line import parse_line
+from batchinfer.wire.output_line import read_output_line
+from batchinfer.wire.request import Endpoint, LineError
 from workers.process import make_runner, run_job
 
 
@@ -89,7 +90,7 @@ def test_embedding_job_runs_locally(sqlite_url: str, tiny_llama: Path, tmp_path:
         errors = [orjson.loads(line) for line in export_results(session, job_id=job.id, kind="errors")]
     assert [line["custom_id"] for line in lines] == ["one", "two"]
     for line in lines:
-        BatchOutputLine.model_validate(line)
+        read_output_line(line)
         body = line["response"]["body"]
         usage = body["usage"]
         assert body["object"] == "list" and usage["prompt_tokens"] == usage["total_tokens"] > 0

@@ -10,10 +10,10 @@ from pathlib import Path
 import orjson
 
 from batchinfer.config import Settings
-from batchinfer.output_lines import BatchOutputLine
 from batchinfer.store.db import session_factory, upgrade
 from batchinfer.store.export import export_results
 from batchinfer.store.jobs import submit_job
+from batchinfer.wire.output_line import read_output_line
 from workers.process import make_runner, run_job
 
 USER = [{"role": "user", "content": "the cat sat"}]
@@ -90,7 +90,7 @@ def test_a_responses_line_runs_as_chat(sqlite_url: str, tmp_path: Path, tiny_lla
     assert response["output"][0]["content"][0]["text"] == completion["choices"][0]["message"]["content"]
     assert response["usage"]["input_tokens"] == completion["usage"]["prompt_tokens"]
     assert response["usage"]["output_tokens"] == completion["usage"]["completion_tokens"] == 3
-    BatchOutputLine.model_validate({"id": "x", "custom_id": "resp", "error": None,
+    read_output_line({"id": "x", "custom_id": "resp", "error": None,
                                     "response": {"status_code": 200, "request_id": "r", "body": response}})
 
 
@@ -111,7 +111,7 @@ def test_prompt_logprobs_come_back_where_vllm_puts_them(sqlite_url: str, tmp_pat
                 assert int(token_id) >= 0 and figure["logprob"] <= 0 and figure["rank"] >= 1
                 assert isinstance(figure["decoded_token"], str)
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        BatchOutputLine.model_validate({"id": "x", "custom_id": "c", "error": None,
+        read_output_line({"id": "x", "custom_id": "c", "error": None,
                                         "response": {"status_code": 200, "request_id": "r", "body": body}})
     assert "prompt_logprobs" not in bodies["plain"] and "prompt_logprobs" not in bodies["plain"]["choices"][0]
 

@@ -29,7 +29,6 @@ from batchinfer.api.known_models import UnknownModel, check_batch_model
 from batchinfer.api.limits import quota_errors
 from batchinfer.api.schemas import BatchList, BatchObject, CreateBatchRequest, RetryBatchRequest
 from batchinfer.config import Settings
-from batchinfer.formats import URL_TO_ENDPOINT, validate_metadata
 from batchinfer.store import files as file_store
 from batchinfer.store.errors import JobError, JobNotFound, JobStateError
 from batchinfer.store.jobs import (
@@ -48,6 +47,8 @@ from batchinfer.store.retry import retry_input
 from batchinfer.store.serialize import batch_object, current_batch_object, parse_batch_id, parse_file_id
 from batchinfer.store.timeline import first_claims
 from batchinfer.store.workers import served_models
+from batchinfer.wire.input_line import validate_metadata
+from batchinfer.wire.request import URL_TO_ENDPOINT
 from workers.dispatch import submit_and_announce
 
 logger = logging.getLogger("batchinfer.api")

@@ -8,7 +8,7 @@
   SamplingParams reads itself.
 
 A request carries at most one constraint. Errors are SamplingParamsError whose field is the body path the
-user wrote (`response_format.json_schema.schema`, `guided_regex`), so formats.py reports them as it reports
+user wrote (`response_format.json_schema.schema`, `guided_regex`), so input_line.py reports them as it reports
 every other sampling field. Pure Python: the grammar check itself runs in StructuredOutputsParams.
 """
 
@@ -22,7 +22,7 @@ from batchinfer.engine.sampling_params import SamplingParamsError, StructuredOut
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}  # vLLM's field -> StructuredOutputsParams field
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
-# The body fields read here (formats.py accepts them on both endpoints; response_format is refused here
+# The body fields read here (input_line.py accepts them on both endpoints; response_format is refused here
 # on /v1/completions, with the fields to use instead).
 CONSTRAINT_FIELDS = frozenset({*GUIDED_FIELDS, "response_format", "structured_outputs"})
 JSON_SCHEMA_FIELDS = frozenset({"name", "schema", "strict", "description"})

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import base64
 import struct
-from typing import Any
 
-from batchinfer.prompt_fields import Fail
+from batchinfer.wire.json_types import JSONObject
+from batchinfer.wire.prompt import Fail
+from batchinfer.wire.request import RequestOptions
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 ENCODING_FORMATS = ("float", "base64")
 _ACCEPTED_FIELDS = frozenset({"input", "encoding_format", "model", "user"})
 
 
-def read_body(body: dict[str, Any], fail: Fail) -> tuple[dict[str, Any], str | None]:
+def read_body(body: JSONObject, fail: Fail) -> tuple[RequestOptions, str | None]:
     """(the options a worker needs: input list and encoding_format, body.model) or raise fail(...)."""
     for name in body:
         if name == "dimensions":
@@ -37,12 +38,12 @@ def read_body(body: dict[str, Any], fail: Fail) -> tuple[dict[str, Any], str | N
     return {"input": _inputs(body.get("input"), fail), "encoding_format": encoding}, model
 
 
-def _is_token_ids(value: Any) -> bool:
+def _is_token_ids(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                            for t in value)
 
 
-def _inputs(value: Any, fail: Fail) -> list[str | list[int]]:
+def _inputs(value: object, fail: Fail) -> list[str | list[int]]:
     if value is None:
         raise fail("missing; an embeddings request needs input (a string or a list of strings)", "input",
                    "missing_required_parameter")
@@ -68,7 +69,8 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
     return vector
 
 
-def embedding_list(*, model: str, embeddings: list[list[float] | str], prompt_tokens: int) -> dict[str, Any]:
+def embedding_list(*, model: str, embeddings: list[list[float] | str],
+                   prompt_tokens: int) -> dict[str, object]:
     """OpenAI's embedding list object, with its usage."""
     return {"object": "list", "model": model,
             "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(embeddings)],

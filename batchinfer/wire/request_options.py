@@ -8,7 +8,8 @@ the sampler reads; `read_request_options` checks them once, at ingest.
 
 from __future__ import annotations
 
-from typing import Any
+from batchinfer.wire.json_types import JSONObject
+from batchinfer.wire.request import RequestOptions
 
 CHAT_OPTION_FIELDS = frozenset({"add_generation_prompt", "chat_template_kwargs"})
 COMPLETION_OPTION_FIELDS = frozenset({"echo"})
@@ -27,19 +28,18 @@ class RequestOptionError(ValueError):
         self.message = message
 
 
-def read_request_options(body: dict[str, Any]) -> dict[str, Any] | None:
+def read_request_options(body: JSONObject) -> RequestOptions | None:
     """The options the body sets (None when it sets none, the common case), checked; values at their
     defaults (echo false, add_generation_prompt true, chat_template_kwargs {}) are left out. Which
-    endpoint may use which option is formats.py's field sets' rule."""
+    endpoint may use which option is input_line.py's field sets' rule."""
     if body.keys().isdisjoint(REQUEST_OPTION_FIELDS):
         return None
-    options: dict[str, Any] = {}
-    for name in ("echo", "add_generation_prompt"):
-        if name in body and body[name] is not None:
-            if not isinstance(body[name], bool):
-                raise RequestOptionError(name, f"must be true or false; got {body[name]!r:.80}")
-            if body[name] is (name == "echo"):
-                options[name] = body[name]
+    options: RequestOptions = {}
+    echo, add_generation_prompt = _flag(body, "echo"), _flag(body, "add_generation_prompt")
+    if echo:  # kept only when not the default
+        options["echo"] = echo
+    if add_generation_prompt is False:
+        options["add_generation_prompt"] = False
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, dict):
@@ -54,3 +54,11 @@ def read_request_options(body: dict[str, Any]) -> dict[str, Any] | None:
         if kwargs:
             options["chat_template_kwargs"] = kwargs
     return options or None
+
+
+def _flag(body: JSONObject, name: str) -> bool | None:
+    """A boolean option's value (None: not given), or RequestOptionError."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise RequestOptionError(name, f"must be true or false; got {value!r:.80}")
+    return value

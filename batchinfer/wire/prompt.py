@@ -1,24 +1,25 @@
 """A body's prompt, as parse_line reads it: chat messages (text parts joined into one string) and completion
 prompts (a string or token ids). Each reader raises the error its `fail(message, param, code=...)` builds,
-so the line's location and custom_id stay formats.py's.
+so the line's location and custom_id stay input_line.py's.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import cast
 
-from batchinfer.unsupported_fields import NOT_SUPPORTED_PARTS
+from batchinfer.wire.request import ChatMessage
+from batchinfer.wire.unsupported import NOT_SUPPORTED_PARTS
 
-Fail = Callable[..., Exception]  # formats.py's fail(message, param, code=...)
+Fail = Callable[..., Exception]  # input_line.py's fail(message, param, code=...)
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 _NOT_SUPPORTED_MESSAGE_FIELDS = frozenset({"tool_calls", "tool_call_id", "function_call", "audio",
                                            "refusal"})
 
 
-def read_messages(messages: Any, fail: Fail) -> list[dict[str, Any]]:
+def read_messages(messages: object, fail: Fail) -> list[ChatMessage]:
     """A chat body's messages checked, content parts joined into one string (the list copied, not edited)."""
     if messages is None:
         raise fail("missing; a chat request needs a non-empty list of messages", "messages",
@@ -26,7 +27,7 @@ def read_messages(messages: Any, fail: Fail) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise fail(f"must be a non-empty list of {{role, content}} objects, got {json_type(messages)}",
                    "messages")
-    out = messages
+    out: list[object] = messages
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise fail(f"must be an object with role and content, got {json_type(message)}",
@@ -40,6 +41,8 @@ def read_messages(messages: Any, fail: Fail) -> list[dict[str, Any]]:
                 raise fail(f"{extra} is not supported by batchinfer (text chat: role, content, name)",
                            f"messages[{i}].{extra}")
             raise fail(f"field {extra!r} is not supported (text chat: role, content, name)", f"messages[{i}]")
+        if "name" in message and not isinstance(message["name"], str):
+            raise fail(f"must be a string, got {json_type(message['name'])}", f"messages[{i}].name")
         if isinstance(content, str):
             continue
         if isinstance(content, list) and content:
@@ -60,10 +63,10 @@ def read_messages(messages: Any, fail: Fail) -> list[dict[str, Any]]:
             continue
         raise fail(f"must be a string or a list of text parts, got {json_type(content)}",
                    f"messages[{i}].content")
-    return out
+    return cast(list[ChatMessage], out)  # each one checked above: role, content a string, name a string
 
 
-def read_prompt(prompt: Any, fail: Fail) -> str | list[int]:
+def read_prompt(prompt: object, fail: Fail) -> str | list[int]:
     """A completion body's prompt: a non-empty string (or a list of one) or a list of token ids."""
     if prompt is None:
         raise fail("missing; a completion request needs a prompt string", "prompt",
@@ -83,7 +86,7 @@ def read_prompt(prompt: Any, fail: Fail) -> str | list[int]:
 
 
 
-def json_type(value: Any) -> str:
+def json_type(value: object) -> str:
     """How an error message names a JSON value's type (\"an array\", \"a non-finite number\")."""
     if value is None:
         return "null"

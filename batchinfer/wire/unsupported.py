@@ -1,7 +1,7 @@
 """Fields of OpenAI's and vLLM's APIs that batchinfer knows but does not do, and what each one is.
 
 A line using one is told "<what> is not supported by batchinfer" rather than told to check its spelling
-(formats.py); the values are what the message calls the feature.
+(input_line.py); the values are what the message calls the feature.
 """
 
 from __future__ import annotations

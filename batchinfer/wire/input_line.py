@@ -1,4 +1,4 @@
-"""Batch file input lines (OpenAI Batch API) and their normalization; output lines are in output_lines.py.
+"""Batch file input lines (OpenAI Batch API) and their normalization; output lines are in output_line.py.
 
 Input, one JSON object per line, either the OpenAI form
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
@@ -6,46 +6,41 @@ or a shorthand {"messages": [...]} / {"prompt": "..."}, sampling fields at top l
 
 `parse_line` turns a line into a NormalizedRequest or raises LineError naming the field and the fix. Hot
 path: value checks left to SamplingParams, built once per distinct set of sampling fields (structured
-output fields: structured_fields.py).
+output fields: structured.py).
 
 Without max_tokens a request runs until the context is full (OpenAI), max_tokens=None. body.model is kept
 for the store to route (line_models.py); echo and chat template fields are request_options.py's; the fields
-batchinfer knows but does not do are unsupported_fields.py's; /v1/embeddings bodies embedding_lines.py's;
-messages and prompts prompt_fields.py's.
+batchinfer knows but does not do are unsupported.py's; /v1/embeddings bodies embeddings.py's;
+messages and prompts prompt.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
-from enum import StrEnum
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 from cachetools import FIFOCache
 
-from batchinfer import embedding_lines, request_options, responses_lines
 from batchinfer.engine.sampling.grammars import DEFAULT_GRAMMAR_BUDGET, GrammarBudget, using_budget
 from batchinfer.engine.sampling_params import SamplingParams, SamplingParamsError
-from batchinfer.prompt_fields import json_type, read_messages, read_prompt
-from batchinfer.request_options import CHAT_OPTION_FIELDS, COMPLETION_OPTION_FIELDS
-from batchinfer.structured_fields import CONSTRAINT_FIELDS, read_constraint
-from batchinfer.unsupported_fields import NOT_SUPPORTED_FIELDS
+from batchinfer.wire import embeddings, request_options, responses
+from batchinfer.wire.json_types import JSONObject
+from batchinfer.wire.prompt import json_type, read_messages, read_prompt
+from batchinfer.wire.request import (
+    URL_TO_ENDPOINT,
+    ChatMessage,
+    Endpoint,
+    InputLine,
+    LineError,
+    NormalizedRequest,
+)
+from batchinfer.wire.request_options import CHAT_OPTION_FIELDS, COMPLETION_OPTION_FIELDS
+from batchinfer.wire.structured import CONSTRAINT_FIELDS, read_constraint
+from batchinfer.wire.unsupported import NOT_SUPPORTED_FIELDS
 
-
-class Endpoint(StrEnum):
-    """The supported endpoints; the value is what the requests table stores. Responses run as chat."""
-
-    CHAT = "chat"
-    COMPLETIONS = "completions"
-    RESPONSES = "responses"  # text-only /v1/responses: responses_lines.py turns the body into a chat one
-    EMBEDDINGS = "embeddings"  # /v1/embeddings: embedding_lines.py checks the body, options hold the input
-
-
-URL_TO_ENDPOINT = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETIONS,
-                   "/v1/responses": Endpoint.RESPONSES, "/v1/embeddings": Endpoint.EMBEDDINGS}
-ENDPOINT_TO_URL = {endpoint: url for url, endpoint in URL_TO_ENDPOINT.items()}
 MAX_CUSTOM_ID_CHARS = 512
 MAX_N = 128
 MAX_METADATA_KEYS = 16
@@ -57,7 +52,7 @@ SAMPLING_FIELDS = frozenset({
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
     "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens", "bad_words",
     "allowed_token_ids", "truncate_prompt_tokens", "logit_bias", "prompt_logprobs", "speculative_decoding",
-    "structured_outputs",  # structured output; the other fields asking for it: structured_fields.py
+    "structured_outputs",  # structured output; the other fields asking for it: structured.py
 })  # fmt: skip  (speculative_decoding, batchinfer's: false opts a request out of speculation)
 CHAT_ONLY_FIELDS = CHAT_OPTION_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_ONLY_FIELDS = COMPLETION_OPTION_FIELDS | {"prompt", "logprobs"}
@@ -68,48 +63,6 @@ COMPLETION_FIELDS = SAMPLING_FIELDS | COMPLETION_ONLY_FIELDS | ACCEPTED_IGNORED_
 
 # PostgreSQL text cannot hold NUL, and the custom_id is stored (and echoed in the output) as it is.
 _NUL_IN_CUSTOM_ID = "custom_id contains the NUL character (\\u0000); remove it"
-
-
-class LineError(ValueError):
-    """A line (or body) that cannot run. `code` is machine-readable, the message says what to fix."""
-
-    def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None,
-                 custom_id: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-        self.param = param
-        self.custom_id = custom_id  # the line's own custom_id when it could be read
-
-
-@dataclass(slots=True)
-class NormalizedRequest:
-    """One validated request: what a worker needs to run it."""
-
-    custom_id: str
-    endpoint: Endpoint
-    messages: list[dict[str, Any]] | None
-    prompt: str | list[int] | None
-    params: SamplingParams  # shared with other requests of the same sampling fields (it is frozen)
-    options: dict[str, Any] | None = None  # echo, chat template arguments (request_options.py)
-    model: str | None = None  # body.model: the store routes the line to it (store/line_models.py)
-
-    def prefix_text(self) -> str:
-        """The text a prompt starts with, as the model will see it (for grouping shared prefixes)."""
-        if self.messages is not None:
-            return "".join(f"<{m['role']}>{m['content']}\n" for m in self.messages)
-        if isinstance(self.prompt, str):
-            return self.prompt
-        return " ".join(map(str, self.prompt or ()))
-
-    def payload(self) -> dict[str, Any]:
-        """What the requests table stores for a worker: the prompt or messages, and the params."""
-        out: dict[str, Any] = (
-            {"prompt": self.prompt} if self.messages is None else {"messages": self.messages})
-        out["params"] = self.params.to_dict()
-        if self.options:
-            out["options"] = self.options
-        return out
 
 
 # --------------------------------------------------------------------------------------------- input
@@ -142,7 +95,7 @@ def parse_line(line: bytes, line_number: int, *, max_metadata_bytes: int = 16 * 
                     "(shorthand form)", code="missing_required_parameter")
 
 
-def _parse_shorthand(obj: dict[str, Any], line_number: int, max_metadata_bytes: int,
+def _parse_shorthand(obj: JSONObject, line_number: int, max_metadata_bytes: int,
                      budget: GrammarBudget) -> NormalizedRequest:
     custom_id = obj.get("custom_id", f"line-{line_number}")
     if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
@@ -153,15 +106,14 @@ def _parse_shorthand(obj: dict[str, Any], line_number: int, max_metadata_bytes: 
     body = obj
     if "custom_id" in obj:
         body = {k: v for k, v in obj.items() if k != "custom_id"}
-    endpoint = Endpoint.CHAT if "messages" in obj else Endpoint.COMPLETIONS
-    return _normalize(endpoint, body, custom_id, "", max_metadata_bytes, budget)
+    url = _SHORTHAND_URLS[Endpoint.CHAT if "messages" in obj else Endpoint.COMPLETIONS]
+    return _normalize(InputLine(custom_id, url, body), "", max_metadata_bytes, budget)
 
 
-def _parse_envelope(obj: dict[str, Any], max_metadata_bytes: int, budget: GrammarBudget) -> NormalizedRequest:
+def _parse_envelope(obj: JSONObject, max_metadata_bytes: int, budget: GrammarBudget) -> NormalizedRequest:
     custom_id = obj.get("custom_id")
-    readable = isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS \
-        and "\x00" not in custom_id
-    readable_id = custom_id if readable else None
+    readable_id = custom_id if isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS \
+        and "\x00" not in custom_id else None
 
     def fail(message: str, code: str = "invalid_request", param: str | None = None) -> LineError:
         return LineError(message, code=code, param=param, custom_id=readable_id)
@@ -188,11 +140,16 @@ def _parse_envelope(obj: dict[str, Any], max_metadata_bytes: int, budget: Gramma
                    "url")
     if not isinstance(body, dict):
         raise fail(f"body must be a JSON object, got {json_type(body)}", param="body")
-    return _normalize(URL_TO_ENDPOINT[url], body, custom_id, "body.", max_metadata_bytes, budget)
+    return _normalize(InputLine(custom_id, url, body), "body.", max_metadata_bytes, budget)
 
 
-def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: str,
-               max_metadata_bytes: int, budget: GrammarBudget) -> NormalizedRequest:
+_SHORTHAND_URLS = {endpoint: url for url, endpoint in URL_TO_ENDPOINT.items()}
+
+
+def _normalize(line: InputLine, where: str, max_metadata_bytes: int,
+               budget: GrammarBudget) -> NormalizedRequest:
+    """The NormalizedRequest of a checked envelope; `where` prefixes a field's name in errors ("body.")."""
+    custom_id, endpoint, body = line.custom_id, URL_TO_ENDPOINT[line.url], line.body
     readable_id = custom_id or None
 
     def fail(message: str, param: str, code: str = "invalid_request") -> LineError:
@@ -200,10 +157,11 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
 
     if endpoint is Endpoint.EMBEDDINGS:  # no sampling; the input travels in options
         return NormalizedRequest(custom_id, endpoint, None, None, _EMBEDDING_PARAMS,
-                                 *embedding_lines.read_body(body, fail))
-    messages = prompt = None
+                                 *embeddings.read_body(body, fail))
+    messages: list[ChatMessage] | None = None
+    prompt: str | list[int] | None = None
     if endpoint is Endpoint.RESPONSES:
-        body = responses_lines.chat_body(body, fail)
+        body = responses.chat_body(body, fail)
     if endpoint is not Endpoint.COMPLETIONS:
         if "prompt" in body:
             raise fail("unknown or unsupported field (prompt belongs to /v1/completions)", "prompt")
@@ -227,10 +185,12 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
     entry = _OPTIONS_CACHE.get(key)  # a read needs no lock: FIFO order does not move on a hit
     if entry is None:
         with using_budget(budget):
-            entry = (_check_options(endpoint, options), _OPTIONS_ENTRY_FACTOR * len(key[1]) + 512)
+            checked = _check_options(endpoint, options)
+        stored = checked.to_dict() if isinstance(checked, SamplingParams) else None
+        entry = (checked, stored, _OPTIONS_ENTRY_FACTOR * len(key[1]) + 512)
         with _OPTIONS_LOCK, contextlib.suppress(ValueError):  # ValueError: larger than the whole cache
             _OPTIONS_CACHE[key] = entry
-    checked = entry[0]
+    checked, stored = entry[0], entry[1]
     if isinstance(checked, LineError):
         raise fail(checked.message, checked.param or "", checked.code)
     try:
@@ -240,7 +200,7 @@ def _normalize(endpoint: Endpoint, body: dict[str, Any], custom_id: str, where: 
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model.strip()):
         raise fail(f"must be a model name (a non-empty string), got {json_type(model)}", "model")
-    return NormalizedRequest(custom_id, endpoint, messages, prompt, checked, extra, model)
+    return NormalizedRequest(custom_id, endpoint, messages, prompt, checked, extra, model, stored)
 
 
 _PROMPT_AND_METADATA = frozenset({"messages", "prompt", "metadata"})
@@ -249,8 +209,10 @@ _EMBEDDING_PARAMS = SamplingParams(max_tokens=None)
 # distinct 1 MB line costs ~5 MB here and the whole cache at most OPTIONS_CACHE_BYTES.
 OPTIONS_CACHE_BYTES = 64 << 20
 _OPTIONS_ENTRY_FACTOR = 5
-_OPTIONS_CACHE: FIFOCache[tuple[Any, ...], tuple[SamplingParams | LineError, int]] = \
-    FIFOCache(maxsize=OPTIONS_CACHE_BYTES, getsizeof=lambda entry: entry[1])  # (checked, bytes counted)
+# key: (endpoint, the options' JSON, the grammar budget); entry: (checked, its to_dict, bytes counted)
+_OPTIONS_CACHE: FIFOCache[tuple[Endpoint, bytes, int, int, float],
+                          tuple[SamplingParams | LineError, JSONObject | None, int]] = \
+    FIFOCache(maxsize=OPTIONS_CACHE_BYTES, getsizeof=lambda entry: entry[2])
 _OPTIONS_LOCK = threading.Lock()  # writes: the API ingests on several threads (reads are dict reads)
 
 
@@ -259,7 +221,7 @@ def astuple_budget(budget: GrammarBudget) -> tuple[int, int, float]:
     return budget.max_depth, budget.max_bytes, budget.timeout_s
 
 
-def _too_deep(options: dict[str, Any], fail: Any) -> LineError:
+def _too_deep(options: JSONObject, fail: Callable[[str, str], LineError]) -> LineError:
     """The error of a body whose field nests deeper than a stored request may (MAX_JSON_DEPTH)."""
     for name in sorted(options):
         try:
@@ -270,7 +232,7 @@ def _too_deep(options: dict[str, Any], fail: Any) -> LineError:
     return fail(f"the body nests more than {MAX_JSON_DEPTH} levels deep; flatten it", "body")
 
 
-def _check_options(endpoint: Endpoint, options: dict[str, Any]) -> SamplingParams | LineError:
+def _check_options(endpoint: Endpoint, options: JSONObject) -> SamplingParams | LineError:
     """The SamplingParams of a body's non-prompt fields, or the LineError (without location) they earn."""
     chat = endpoint is not Endpoint.COMPLETIONS  # responses were turned into chat bodies
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
@@ -284,7 +246,8 @@ def _check_options(endpoint: Endpoint, options: dict[str, Any]) -> SamplingParam
     if options.get("stream"):
         return LineError("streaming is not available in a batch; remove it or set it to false",
                          param="stream")
-    params = {name: options[name] for name in SAMPLING_FIELDS.intersection(options)}
+    # SamplingParams' keyword arguments, as the JSON gave them: SamplingParams checks each value itself
+    params: dict[str, Any] = {name: options[name] for name in SAMPLING_FIELDS.intersection(options)}
     if "max_completion_tokens" in options:
         if "max_tokens" in options and options["max_tokens"] != options["max_completion_tokens"]:
             return LineError("give max_tokens or max_completion_tokens, not both with different values",
@@ -310,7 +273,7 @@ def _check_options(endpoint: Endpoint, options: dict[str, Any]) -> SamplingParam
         return LineError(exc.message, code="invalid_value", param=exc.field)
 
 
-def check_sampling_fields(fields: dict[str, Any]) -> None:
+def check_sampling_fields(fields: JSONObject) -> None:
     """Check body fields to be added to lines that lack them (schedule defaults), as parse_line would.
 
     Only sampling fields may be given. They are valid when one endpoint accepts them (chat's logprobs is
@@ -328,7 +291,7 @@ def check_sampling_fields(fields: dict[str, Any]) -> None:
 
 _DEFAULTABLE_FIELDS = SAMPLING_FIELDS | CONSTRAINT_FIELDS | {"max_completion_tokens", "logprobs",
                                                               "top_logprobs"}
-def _chat_logprobs(options: dict[str, Any], params: dict[str, Any]) -> LineError | None:
+def _chat_logprobs(options: JSONObject, params: dict[str, Any]) -> LineError | None:
     logprobs, top = options.get("logprobs"), options.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         return LineError(f"must be true or false for chat (use top_logprobs for a count), got {logprobs!r}",
@@ -343,7 +306,7 @@ def _chat_logprobs(options: dict[str, Any], params: dict[str, Any]) -> LineError
     return None
 
 
-def validate_metadata(metadata: Any, *, max_bytes: int) -> dict[str, str] | None:
+def validate_metadata(metadata: object, *, max_bytes: int) -> dict[str, str] | None:
     """OpenAI metadata rules: up to 16 string keys (<= 64 chars) and string values (<= 512 chars), small."""
     if metadata is None:
         return None

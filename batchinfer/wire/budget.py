@@ -32,7 +32,7 @@ from typing import Any
 from cachetools import LRUCache
 
 from batchinfer.config import Settings
-from batchinfer.formats import LineError, NormalizedRequest
+from batchinfer.wire.request import LineError, NormalizedRequest
 
 DEFAULT_KV_TOKENS = 262_144  # when the model's config cannot be read here: generous, still finite
 PROMPT_BYTES_PER_TOKEN = 4  # text prompts: an estimate on the low side for English, CJK and code

@@ -1,6 +1,6 @@
 """`/v1/responses` lines (OpenAI's Responses API) with text-only input, run as chat.
 
-`chat_body` turns a Responses body into the chat body formats.py checks: `input` (a string, or a list of
+`chat_body` turns a Responses body into the chat body input_line.py checks: `input` (a string, or a list of
 message items whose content is a string or input_text / output_text parts) becomes the messages,
 `instructions` a system message before them, `max_output_tokens` max_tokens. Fields of the Responses
 API batchinfer does not do (tools, reasoning, previous_response_id, non-text input ...) are told
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchinfer.prompt_fields import Fail
+from batchinfer.wire.prompt import Fail
 
 # Responses fields that map onto chat ones as they are
 PASS_THROUGH_FIELDS = frozenset({"temperature", "top_p", "metadata", "user", "store", "service_tier", "model",
@@ -90,7 +90,7 @@ def _input_messages(value: Any, fail: Fail) -> list[dict[str, Any]]:
 
 
 def response_object(*, request_key: int, created: int, model: str, choice: dict[str, Any],
-                    prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+                    prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, object]:
     """OpenAI's Response object for one completion ({text, finish_reason}), with its usage."""
     incomplete = choice["finish_reason"] == "length"
     # The message item's status follows the response's, as OpenAI's does for an output cut at the limit.
