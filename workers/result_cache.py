@@ -2,7 +2,9 @@
 
 A deterministic request (greedy, or with a `seed`) of a job whose `result_cache` is `use` is looked up in
 the job database (store/result_cache.py) before it reaches the engine; a hit becomes its result row at
-once. Identical requests of one job held by this worker are computed once: the first is the primary, the
+once. A cacheable success's row carries its body (`result_body`, a BodyRef): the store keeps the body
+once per key and the row only references it, in the transaction that writes the row (store/results.py).
+Identical requests of one job held by this worker are computed once: the first is the primary, the
 others wait for it (their ids stay outstanding in their shard, so no shard completes before they are
 written) and get a copy of its row. What keeps "every custom_id exactly once" (ARCHITECTURE.md,
 contract 7): a copy is written only by its own shard's lease, like any result; a waiter whose primary is
@@ -25,6 +27,7 @@ import logging
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,10 +39,12 @@ from batchinfer import __version__
 from batchinfer.config import Settings
 from batchinfer.engine.numerics import ENGINE_NUMERICS_VERSION
 from batchinfer.store import result_cache as cache_store
+from batchinfer.store.result_cache import BodyRef, ResultSource
 from batchinfer.store.shards import PendingRequest, ShardLease
 
 if TYPE_CHECKING:
     from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.lora.request import LoRARequest
 
 logger = logging.getLogger("batchinfer.workers")
 
@@ -48,7 +53,8 @@ ENGINE_NAME = "batchinfer"
 EVICT_INTERVAL_S = 10.0
 FINGERPRINT_CHUNK = 1 << 20
 # Fields of a result row that belong to one request, not to its body.
-ROW_OWN_FIELDS = ("request_id", "provenance", "result_key")
+ROW_OWN_FIELDS = ("request_id", "provenance", "result_body")
+ResultRow = dict[str, Any]  # a worker's result row (workers/result_rows.py), as store/results.py reads it
 
 
 def fingerprint_dir(path: Path, *, cache_dir: Path | None = None) -> str:
@@ -134,6 +140,13 @@ def model_identity(config: EngineConfig, *, served_model: str, adapter: tuple[st
     return ModelIdentity(served_model, fingerprint, dtype, config.quantization, name, adapter_fp)
 
 
+def runner_identity(config: EngineConfig, served: str, *, model: str,
+                    adapters: Mapping[str, LoRARequest]) -> ModelIdentity:
+    """The identity of a runner's shard served as `served`: the model's, or one of its LoRA adapters'."""
+    adapter = (served, adapters[served].lora_path) if served in adapters else None
+    return model_identity(config, served_model=served if adapter else model, adapter=adapter)
+
+
 def is_deterministic(request: PendingRequest) -> bool:
     """Greedy or seeded: the same inputs give the same output, so a stored one may stand in for it."""
     return request.params.is_greedy or request.params.seed is not None
@@ -154,6 +167,12 @@ def cache_scope(settings: Settings, owner: str) -> str:
     return "global" if settings.prefix_cache_scope == "global" else f"owner:{owner}"
 
 
+def prefix_cache_salt(settings: Settings, owner: str) -> str | None:
+    """What salts a request's prefix-cache blocks (contract 10): its result-cache scope, none when global."""
+    scope = cache_scope(settings, owner)
+    return None if scope == "global" else scope
+
+
 @dataclass
 class _Primary:
     """A request computing a key for its job in this worker, and the identical ones waiting for it."""
@@ -165,11 +184,19 @@ class _Primary:
     waiters: list[tuple[int, PendingRequest]]
 
 
+@dataclass(frozen=True)
+class _Body:
+    """A body this worker can serve for a key: the result row (parsed) and its stored form."""
+
+    row: ResultRow
+    ref: BodyRef
+
+
 @dataclass
 class Plan:
     """What to do with a claimed shard's pending requests: rows already known, requests to run."""
 
-    served: list[dict[str, Any]]
+    served: list[ResultRow]
     run: list[PendingRequest]
     waiting: list[PendingRequest]  # their ids stay outstanding until their primary's row is copied
 
@@ -178,7 +205,8 @@ class ResultCache:
     """One runner's result cache: plans claimed shards, annotates rows, fans them out, stores bodies."""
 
     def __init__(self, *, sessions: sessionmaker[Session], settings: Settings,
-                 identity_of: Any, on_served: Any = None) -> None:
+                 identity_of: Callable[[str], ModelIdentity],
+                 on_served: Callable[[str], None] | None = None) -> None:
         self.sessions = sessions
         self._on_served = on_served or (lambda source: None)  # WorkerMetrics.result_cache_served
         self.settings = settings
@@ -188,9 +216,10 @@ class ResultCache:
         self._primaries: dict[tuple[int, str], _Primary] = {}  # (job id, key) -> primary
         self._by_engine_id: dict[str, tuple[int, str]] = {}
         self._keys: dict[str, str | None] = {}  # engine id -> key, for every request planned and running
-        self._to_store: dict[tuple[int, bool], dict[str, dict[str, Any]]] = defaultdict(dict)
+        # bodies computed here since the last write: a later shard of the job is served them (dedup)
+        self._fresh: dict[int, dict[str, _Body]] = defaultdict(dict)
         self.hits = self.dedups = 0
-        self._unchecked_bytes = 0  # written since the bound was last enforced
+        self._unchecked_bytes = 0  # computed since the bound was last enforced
         self._evict_after = 0.0  # monotonic time the bound is enforced at the latest
 
     def identity(self, lease: ShardLease) -> ModelIdentity:
@@ -222,17 +251,17 @@ class ResultCache:
             if mode == "refresh":  # computed again: only what this job itself computed already counts
                 found = {key: body for key, body in found.items() if body.computed_in == lease.job_id}
         plan = Plan([], [], [])
-        fresh = {key: row for (job_id, _), rows in self._to_store.items() if job_id == lease.job_id
-                 for key, row in rows.items()}
+        fresh = self._fresh.get(lease.job_id, {})
         for request in pending:
             key = keys[request.request_id]
-            if key is not None and key in fresh:  # computed by this job here, not stored yet
-                plan.served.append(self._row(fresh[key], request, identity, key, "dedup", lease.job_id))
+            if key is not None and key in fresh:  # computed by this job here, maybe not written yet
+                plan.served.append(self._row(fresh[key], request, identity, "dedup"))
                 continue
             if key is not None and key in found:
                 cached = found[key]
-                source = "dedup" if cached.computed_in == lease.job_id else "hit"
-                plan.served.append(self._row(cached.row, request, identity, key, source, cached.computed_in))
+                source: ResultSource = "dedup" if cached.computed_in == lease.job_id else "hit"
+                body = _Body(cached.row, BodyRef(key, cached.body, cached.computed_in))
+                plan.served.append(self._row(body, request, identity, source))
                 continue
             if key is not None and (lease.job_id, key) in self._primaries:
                 self._primaries[(lease.job_id, key)].waiters.append((lease.shard_id, request))
@@ -246,24 +275,26 @@ class ResultCache:
             plan.run.append(request)
         return plan
 
-    def finished(self, lease: ShardLease, request: PendingRequest, row: dict[str, Any]
-                 ) -> list[tuple[int, dict[str, Any]]]:
+    def finished(self, lease: ShardLease, request: PendingRequest, row: ResultRow
+                 ) -> list[tuple[int, ResultRow]]:
         """The computed row of `request`, with provenance, and copies for its waiters: (shard id, row)."""
         engine_id = str(request.request_id)
         key = self._keys.pop(engine_id, None)
         identity = self.identity(lease)
-        own = self._row(row, request, identity, key, "miss", lease.job_id)
-        out = [(lease.shard_id, own)]
         if key is None:
-            return out
-        self._to_store[(lease.job_id, self.mode(lease.job_id) == "refresh")][key] = body_of(row)
+            return [(lease.shard_id, self._uncached(row, request, identity, lease.job_id))]
+        computed = body_of(row)
+        body = _Body(computed, BodyRef(key, orjson.dumps(computed), lease.job_id))
+        self._fresh[lease.job_id][key] = body
+        self._unchecked_bytes += len(body.ref.body)
+        out = [(lease.shard_id, self._row(body, request, identity, "miss"))]
         primary = self._pop_primary(engine_id)
         for shard_id, waiter in primary.waiters if primary is not None else []:
             self._keys.pop(str(waiter.request_id), None)
-            out.append((shard_id, self._row(row, waiter, identity, key, "dedup", lease.job_id)))
+            out.append((shard_id, self._row(body, waiter, identity, "dedup")))
         return out
 
-    def fresh_row(self, lease: ShardLease, row: dict[str, Any]) -> dict[str, Any]:
+    def fresh_row(self, lease: ShardLease, row: ResultRow) -> ResultRow:
         """A row computed outside the cache (an embeddings line), with its provenance."""
         self._keys.pop(str(row["request_id"]), None)
         return {**row, "provenance": self.identity(lease).provenance(seed=None, source="miss",
@@ -303,36 +334,44 @@ class ResultCache:
         self._by_engine_id.clear()
         self._keys.clear()
 
-    def store(self) -> None:
-        """Write the bodies computed since the last call (a body is correct whatever became of its shard)."""
-        pending, self._to_store = self._to_store, defaultdict(dict)
+    def written(self) -> None:
+        """Rows were written (their bodies with them): forget the fresh bodies (the database serves them
+        now) and, every EVICT_INTERVAL_S or hundredth of the bound computed, evict beyond the bound."""
+        self._fresh.clear()
         bound = self.settings.result_cache_max_bytes
-        for (job_id, replace), rows in pending.items():
-            if not rows:
-                continue
-            with self.sessions() as session:
-                self._unchecked_bytes += cache_store.store_bodies(
-                    session, rows=rows, computed_in=job_id, replace=replace, max_bytes=bound, evict_now=False)
-                if time.monotonic() >= self._evict_after or self._unchecked_bytes >= bound / 100:
-                    cache_store.evict(session, max_bytes=bound)
-                    self._unchecked_bytes, self._evict_after = 0, time.monotonic() + EVICT_INTERVAL_S
+        if not self._unchecked_bytes or (time.monotonic() < self._evict_after
+                                         and self._unchecked_bytes < bound / 100):
+            return
+        with self.sessions() as session:
+            cache_store.evict(session, max_bytes=bound)
+        self._unchecked_bytes, self._evict_after = 0, time.monotonic() + EVICT_INTERVAL_S
 
     def _pop_primary(self, engine_id: str) -> _Primary | None:
         job_key = self._by_engine_id.pop(engine_id, None)
         return None if job_key is None else self._primaries.pop(job_key, None)
 
-    def _row(self, body: dict[str, Any], request: PendingRequest, identity: ModelIdentity, key: str | None,
-             source: str, computed_in: int) -> dict[str, Any]:
+    def _row(self, body: _Body, request: PendingRequest, identity: ModelIdentity,
+             source: ResultSource) -> ResultRow:
+        """`request`'s row of a cacheable body; it carries the body to store by reference unless the body
+        could never be kept (larger than the whole cache, or the cache is off: 0 bytes)."""
         if source == "hit":
             self.hits += 1
         elif source == "dedup":
             self.dedups += 1
         self._on_served(source)
-        return {**body_of(body), "request_id": request.request_id, "result_key": key,
+        keep = 0 < len(body.ref.body) <= self.settings.result_cache_max_bytes
+        return {**body.row, "request_id": request.request_id, "result_body": body.ref if keep else None,
                 "provenance": identity.provenance(seed=request.params.seed, source=source,
-                                                  computed_in=computed_in)}
+                                                  computed_in=body.ref.computed_in)}
+
+    def _uncached(self, row: ResultRow, request: PendingRequest, identity: ModelIdentity,
+                  job_id: int) -> ResultRow:
+        """A computed row no other request may share (not deterministic, or the job's cache is off)."""
+        self._on_served("miss")
+        return {**row, "provenance": identity.provenance(seed=request.params.seed, source="miss",
+                                                         computed_in=job_id)}
 
 
-def body_of(row: dict[str, Any]) -> dict[str, Any]:
+def body_of(row: ResultRow) -> ResultRow:
     """A result row less what belongs to one request: what the cache stores and copies."""
     return {name: value for name, value in row.items() if name not in ROW_OWN_FIELDS}

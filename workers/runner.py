@@ -17,18 +17,19 @@ budget (max_num_batched_tokens, at least one input) per loop turn, so generation
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from batchinfer.config import Settings
 from batchinfer.engine.errors import RankFailedError
-from batchinfer.engine.lora.request import lora_requests
+from batchinfer.engine.lora.request import LoRARequest, lora_requests
 from batchinfer.store import shards as shard_store
 from batchinfer.store import workers as worker_store
 from batchinfer.store.errors import LeaseLost
@@ -36,9 +37,10 @@ from batchinfer.store.models import JOB_TERMINAL_STATUSES, ShardStatus
 from batchinfer.store.result_files import record_result_sizes_in_background
 from batchinfer.store.shards import PendingRequest, ShardLease
 from workers.embedding_queue import EmbeddingQueue
+from workers.engine_prompts import engine_prompt, prompt_text
 from workers.lease_keeper import LeaseKeeper
 from workers.metrics import WorkerMetrics, inflight_report
-from workers.result_cache import ModelIdentity, ResultCache, model_identity
+from workers.result_cache import ResultCache, ResultRow, prefix_cache_salt, runner_identity
 from workers.result_rows import error_row, result_row
 
 if TYPE_CHECKING:
@@ -61,7 +63,7 @@ class _Flight:
 
     lease: ShardLease
     outstanding: set[str] = field(default_factory=set)
-    buffered: list[dict[str, Any]] = field(default_factory=list)
+    buffered: list[ResultRow] = field(default_factory=list)
     last_check: float = field(default_factory=time.monotonic)
 
 
@@ -73,7 +75,7 @@ class _Submitted:
     request: PendingRequest
     prompt: str | list[int]
     cache_salt: str | None = None
-    lora_request: Any = None  # the LoRARequest of an adapter shard's request, None for the model's
+    lora_request: LoRARequest | None = None  # an adapter shard's request's adapter, None for the model's
 
 
 @dataclass
@@ -107,7 +109,8 @@ class ShardRunner:
         self._flights: dict[int, _Flight] = {}
         self._submitted: dict[str, _Submitted] = {}
         self._embeddings = EmbeddingQueue(engine, model)  # run between steps, within a step's budget
-        self._cache = ResultCache(sessions=sessions, settings=settings, identity_of=self._identity_of,
+        identity_of = functools.partial(runner_identity, engine.config, model=model, adapters=self.adapters)
+        self._cache = ResultCache(sessions=sessions, settings=settings, identity_of=identity_of,
                                   on_served=self.metrics.result_cache_served)
         self._last_flush = time.monotonic()
         self._next_claim_at = 0.0
@@ -216,18 +219,20 @@ class ShardRunner:
             self._submit(flight, request)
         return True
 
-    def _identity_of(self, served: str) -> ModelIdentity:
-        """What decides a shard's outputs besides its requests (the result cache's key and provenance)."""
-        adapter = (served, self.adapters[served].lora_path) if served in self.adapters else None
-        return model_identity(self.engine.config, served_model=served if adapter else self.model,
-                              adapter=adapter)
-
     def _resubmit(self, orphans: list[tuple[int, PendingRequest]]) -> None:
         """Duplicates whose twin will not finish here run themselves (their ids are still outstanding)."""
         for shard_id, request in orphans:
             flight = self._flights.get(shard_id)
             if flight is not None:
                 self._submit(flight, request)
+
+    def _deliver(self, rows: Iterable[tuple[int, ResultRow]]) -> None:
+        """Result rows (shard id, row) of held shards' requests: buffered for writing, no longer out."""
+        for shard_id, row in rows:
+            flight = self._flights.get(shard_id)
+            if flight is not None:
+                flight.buffered.append(row)
+                flight.outstanding.discard(str(row["request_id"]))
 
     def _submit(self, flight: _Flight, request: PendingRequest) -> None:
         engine_id = str(request.request_id)
@@ -236,13 +241,12 @@ class ShardRunner:
             self._embeddings.add(flight.lease.shard_id, request)
             return
         try:  # request.params was validated at ingest; the engine still checks it against this model
-            prompt = self._prompt(request)
-            salt = self._cache_salt(flight.lease)
+            prompt = engine_prompt(self.engine, request)
+            salt = prefix_cache_salt(self.settings, flight.lease.owner)
             lora = self.adapters.get(flight.lease.model)  # a shard of lines naming a served adapter
             self.engine.add_request(engine_id, prompt, request.params, cache_salt=salt, lora_request=lora)
         except (ValueError, TypeError) as exc:
-            flight.buffered.append(error_row(request, "invalid_request", str(exc)))
-            flight.outstanding.discard(engine_id)
+            self._deliver([(flight.lease.shard_id, error_row(request, "invalid_request", str(exc)))])
             self._resubmit(self._cache.failed(engine_id))
             return
         flight.outstanding.add(engine_id)
@@ -250,34 +254,13 @@ class ShardRunner:
 
     def _run_embeddings(self, stats: RunStats) -> None:
         for done in self._embeddings.run(self._still_outstanding):
-            flight = self._flights[done.shard_id]
-            flight.buffered.append(self._cache.fresh_row(flight.lease, done.row))
-            flight.outstanding.discard(done.engine_id)
+            lease = self._flights[done.shard_id].lease
+            self._deliver([(done.shard_id, self._cache.fresh_row(lease, done.row))])
             stats.requests_finished += 1
 
     def _still_outstanding(self, shard_id: int, engine_id: str) -> bool:
         flight = self._flights.get(shard_id)
         return flight is not None and engine_id in flight.outstanding
-
-    def _cache_salt(self, lease: ShardLease) -> str | None:
-        """The job owner salts the prefix cache (no cross-tenant hits, README "Security"), unless global."""
-        return None if self.settings.prefix_cache_scope == "global" else f"owner:{lease.owner}"
-
-    def _prompt(self, request: PendingRequest) -> str | list[int]:
-        if request.messages is None:
-            assert request.prompt is not None
-            return request.prompt
-        options = request.options or {}  # add_generation_prompt, chat_template_kwargs: wire/request_options.py
-        text = self.engine.tokenizer.apply_chat_template(
-            request.messages, add_generation_prompt=options.get("add_generation_prompt", True),
-            tokenize=False, **options.get("chat_template_kwargs", {}))
-        # The template already holds the special tokens (BOS); tokenizing must not add them again.
-        return self.engine.tokenize(text, add_special_tokens=False)
-
-    def _echo_text(self, submitted: _Submitted) -> str:
-        """The prompt as text, for echo (vLLM: a token-id prompt is decoded)."""
-        prompt = submitted.prompt
-        return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
     # --- results -------------------------------------------------------------------------------------
 
@@ -296,14 +279,11 @@ class ShardRunner:
             self._resubmit(self._cache.failed(output.request_id))
             return tokens
         echo = (submitted.request.options or {}).get("echo")
-        result = result_row(submitted.request, output, self._echo_text(submitted) if echo else "")
+        echo_text = prompt_text(self.engine, submitted.prompt) if echo else ""
+        result = result_row(submitted.request, output, echo_text)
         model = flight.lease.model if flight.lease.model in self.adapters else self.model
         row = {**result, "model": model}  # a line's body.model may route it here
-        for shard_id, copy in self._cache.finished(flight.lease, submitted.request, row):  # + its twins'
-            target = self._flights.get(shard_id)
-            if target is not None:
-                target.buffered.append(copy)
-                target.outstanding.discard(str(copy["request_id"]))
+        self._deliver(self._cache.finished(flight.lease, submitted.request, row))  # + its twins' copies
         stats.requests_finished += 1
         return tokens
 
@@ -330,7 +310,7 @@ class ShardRunner:
             logger.warning("lease of shard %s lost; dropping it", shard_id)
             self._drop(shard_id)
             return False
-        self._cache.store()  # bodies computed so far, for later requests with their keys
+        self._cache.written()  # their bodies are in the database now; the cache's bound is kept
         return True
 
     # --- leases, cancel, completion ------------------------------------------------------------------
@@ -432,7 +412,6 @@ class ShardRunner:
             self.engine.abort(engine_id)
         finished: list[RequestOutput] = []
         for engine_id, submitted in suspects:
-            flight = self._flights.get(submitted.shard_id)
             try:
                 self.engine.add_request(engine_id, submitted.prompt, submitted.request.params,
                                         cache_salt=submitted.cache_salt, lora_request=submitted.lora_request)
@@ -444,13 +423,8 @@ class ShardRunner:
                 self.engine.abort(engine_id)
                 self._submitted.pop(engine_id, None)
                 message = f"the engine failed on this request: {solo_exc}"
-                if flight is not None:
-                    flight.outstanding.discard(engine_id)
-                    flight.buffered.append(error_row(submitted.request, "engine_error", message))
-                for shard_id, twin in self._cache.failed(engine_id):  # identical requests fail alike
-                    target = self._flights.get(shard_id)
-                    if target is not None:
-                        target.outstanding.discard(str(twin.request_id))
-                        target.buffered.append(error_row(twin, "engine_error", message))
+                failed = [(submitted.shard_id, submitted.request), *self._cache.failed(engine_id)]
+                self._deliver((shard_id, error_row(request, "engine_error", message))  # twins fail alike
+                              for shard_id, request in failed)
         logger.info("isolated engine failure (%s): %d requests re-run alone", exc, len(suspects))
         return finished

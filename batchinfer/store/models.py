@@ -247,7 +247,7 @@ def decode_lines(data: bytes) -> list[int]:
 
 
 class Request(Base):
-    """One input line and, once run, its result (the OpenAI response body, stored ready to export)."""
+    """One input line and, once run, its result (its response body, or the key of its cached body)."""
 
     __tablename__ = "requests"
 
@@ -258,7 +258,8 @@ class Request(Base):
     status: Mapped[str] = mapped_column(String(10), default=RequestStatus.PENDING)
     endpoint: Mapped[str | None] = mapped_column(String(16))  # "chat" | "completions"; NULL if unreadable
     payload: Mapped[str | None] = mapped_column(Text)  # {"messages"|"prompt", "params"} JSON; NULL if invalid
-    response: Mapped[str | None] = mapped_column(Text)  # chat.completion / text_completion JSON
+    # chat.completion / text_completion JSON; NULL for a success that references its cached body instead
+    response: Mapped[str | None] = mapped_column(Text)
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(Text)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
@@ -266,8 +267,8 @@ class Request(Base):
     cached_tokens: Mapped[int | None] = mapped_column(Integer)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # A success's provenance JSON (engine, model fingerprint, result_cache miss|hit|dedup, computed_in) and
-    # the result-cache key of its body (ResultBody.key; the row keeps its own copy of the response;
-    # NULL: not cacheable): store/result_cache.py.
+    # the result-cache key of its body (ResultBody.key) when the row references it instead of holding a
+    # copy (response NULL; store/responses.py renders it); NULL: the row holds its own response.
     provenance: Mapped[str | None] = mapped_column(Text)
     result_key: Mapped[str | None] = mapped_column(String(64))
 
@@ -281,7 +282,8 @@ class ResultBody(Base):
     """A result-cache body (store/result_cache.py): one row per key, shared by every job whose request has it.
 
     `key` is the sha256 of everything that decides the output (workers/result_cache.py); `body` the result
-    row as the worker produced it (choices, token counts, prompt logprobs, model), orjson bytes.
+    row as the worker produced it (choices, token counts, prompt logprobs, model), orjson bytes. A body
+    that request rows reference (`Request.result_key`) is pinned: never evicted nor purged.
     """
 
     __tablename__ = "result_bodies"

@@ -1,7 +1,10 @@
 """Recording what workers ran: result rows and the job's counters, in the caller's transaction.
 
 shards.write_results calls apply_results inside its lease-fenced transaction; the job's counters move
-in the same transaction as the request rows they count (see models.py).
+in the same transaction as the request rows they count (see models.py). A cacheable success (a result
+carrying its `result_body`, a result_cache.BodyRef) is stored by reference: its body goes to
+`result_bodies` once per key in this transaction and the row keeps only the key (store/responses.py
+renders it); any other success keeps its own rendered response.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from sqlalchemy.orm import Session
 
 from batchinfer.store.db import is_sqlite
 from batchinfer.store.models import Job, Request, RequestStatus, Shard, utcnow
-from batchinfer.wire.output_line import response_body
+from batchinfer.store.responses import render_response
+from batchinfer.store.result_cache import BodyRef, attach_bodies
 
 
 def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], shard: Shard | None = None,
@@ -25,8 +29,9 @@ def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], 
     With `shard`, only that shard's requests are accepted.
 
     A result is {"request_id", "choices": [{"text", "finish_reason", "logprobs"?}], "prompt_tokens",
-    "completion_tokens", "cached_tokens"} or {"request_id", "error": {"code", "message"}}. Results for
-    requests that are no longer pending (already written, canceled) are ignored. Returns how many counted.
+    "completion_tokens", "cached_tokens", "model"?, "provenance"?, "result_body"?} or {"request_id",
+    "error": {"code", "message"}}. Results for requests that are no longer pending (already written,
+    canceled) are ignored. Returns how many counted.
     """
     now = now or utcnow()
     by_id: dict[int, dict[str, Any]] = {}
@@ -44,7 +49,11 @@ def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], 
         query = query.with_for_update()  # cancel/rescue cannot flip these rows before we commit
     pending = [(row.id, row.endpoint) for row in session.execute(query)
                if row.job_id == job.id and (allowed is None or row.id in allowed)]
-    created = int(now.timestamp())
+    created = int(now.timestamp())  # = finished_at's second: what responses.py renders a reference with
+    offered = (by_id[request_id].get("result_body") for request_id, _ in pending)
+    refs = [ref for ref in offered if isinstance(ref, BodyRef)]
+    held = attach_bodies(session, refs=refs, job_id=job.id, refresh=job.result_cache == "refresh",
+                         now=now) if refs else {}
     succeeded: list[dict[str, Any]] = []
     errored: list[dict[str, Any]] = []
     for request_id, endpoint in pending:
@@ -53,17 +62,15 @@ def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], 
             errored.append({"rid": request_id, "code": str(result["error"]["code"])[:64],
                             "message": str(result["error"]["message"])})
             continue
-        body = response_body(endpoint=endpoint, model=result.get("model") or job.model,
-                             request_key=request_id, created=created,
-                             choices=result.get("choices", []), embeddings=result.get("embeddings"),
-                             prompt_logprobs=result.get("prompt_logprobs"),
-                             prompt_tokens=result["prompt_tokens"],
-                             completion_tokens=result["completion_tokens"],
-                             cached_tokens=result["cached_tokens"])
+        ref = result.get("result_body")
+        key = ref.key if isinstance(ref, BodyRef) and held.get(ref.key) == ref.computed_in else None
+        response = None if key is not None else orjson.dumps(render_response(
+            endpoint=endpoint, default_model=job.model, request_id=request_id, created=created,
+            result=result)).decode()
         provenance = result.get("provenance")  # workers/result_cache.py; None from older writers
-        succeeded.append({"rid": request_id, "response": orjson.dumps(body).decode(),
+        succeeded.append({"rid": request_id, "response": response,
                           "p": result["prompt_tokens"], "c": result["completion_tokens"],
-                          "k": result["cached_tokens"], "key": result.get("result_key"),
+                          "k": result["cached_tokens"], "key": key,
                           "prov": orjson.dumps(provenance).decode() if provenance is not None else None,
                           "src": provenance.get("result_cache") if provenance is not None else None})
     table = cast(Table, Request.__table__)  # SQLAlchemy types __table__ as FromClause; declarative: a Table

@@ -6,7 +6,8 @@ What goes, at each pass (`batchinfer purge`, and the `purge` duty of beat / the 
   ended (the batch's own policy), else `finished_job_retention_seconds` after it ended (the setting,
   30 days by default; 0 or "none": kept). Its request rows, shards and the job row go; batches made
   from a deleted file keep their own rows until then;
-- a result-cache body (store/result_cache.py) unused for `finished_job_retention_seconds`.
+- a result-cache body (store/result_cache.py) unused for `finished_job_retention_seconds` that no request
+  row references any more (a job's rows pin the bodies its output reads; they go first, in this pass).
 
 Each job is deleted in its own transaction (its requests by primary-key range first, so a million-row
 job never holds one huge cascade), so a purge may stop anywhere and the next one finishes the work.

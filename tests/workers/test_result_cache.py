@@ -2,7 +2,8 @@
 
 Night 1 computes, night 2 with a few prompts changed serves the rest from night 1 without the engine;
 identical lines of one job are computed once and copied; `off` and `refresh` compute; evicted bodies are
-recomputed; provenance names where each body came from.
+recomputed; provenance names where each body came from. Rows reference their bodies (no copy per job):
+a body a job's rows reference is never evicted or purged, and a refresh never changes an earlier output.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from pathlib import Path
 import orjson
 import pytest
 from prometheus_client import REGISTRY
+from sqlalchemy import func, select
 
 from batchinfer.config import Settings
 from batchinfer.store import result_cache as cache_store
 from batchinfer.store.db import session_factory, upgrade
 from batchinfer.store.export import export_results
 from batchinfer.store.jobs import get_job, submit_job
+from batchinfer.store.models import Request, ResultBody
+from batchinfer.store.result_files import delete_result_file
 from workers.process import make_runner, run_job
 
 
@@ -49,6 +53,22 @@ class Nights:
         self.sessions = session_factory(url)
         self.runner = make_runner(model=str(model), settings=self.settings, max_num_seqs=16, device="cpu")
         self.tmp_path = tmp_path
+
+    def copied_bytes(self, job_id: int) -> int:
+        """Bytes of response bodies the job's own rows hold (a row referencing a cached body holds none)."""
+        with self.sessions() as session:
+            return int(session.scalar(select(func.coalesce(func.sum(func.length(Request.response)), 0))
+                                      .where(Request.job_id == job_id)) or 0)
+
+    def cached(self, *, pinned: bool = False) -> tuple[int, int]:
+        """(bodies, bytes) of the result cache."""
+        with self.sessions() as session:
+            return cache_store.cache_size(session, pinned=pinned)
+
+    def delete_output(self, job_id: int, owner: str = "t") -> None:
+        """Delete a job's output file (its succeeded rows): the bodies they referenced are evictable."""
+        with self.sessions() as session:
+            assert delete_result_file(session, owner=owner, job_id=job_id, kind="output")
 
     def run(self, path: Path, *, owner: str = "t", shard_size: int = 32, **submit: object):
         with self.sessions() as session:
@@ -96,6 +116,12 @@ def _night_two(url: str, model: Path, tmp_path: Path) -> None:
     assert len(line["model_fingerprint"]) == 64 and line["dtype"] in ("float32", "bfloat16")
     assert line["seed"] == 8 and line["adapter"] is None and line["quantization"] is None
     assert night2[0]["provenance"]["seed"] is None
+    # one body per key, referenced by both nights' rows: no copy in either job's rows
+    assert nights.cached() == nights.cached(pinned=True) and nights.cached()[0] == 132
+    assert nights.copied_bytes(job1.id) == nights.copied_bytes(job2.id) == 0
+    with nights.sessions() as session:
+        bodies = session.scalar(select(func.sum(ResultBody.size)))
+    assert bodies < sum(len(orjson.dumps(line)) for line in night1 + night2) / 2
 
     _, stats_off, off_lines = nights.run(second_file, result_cache="off")
     assert stats_off.requests_finished == 120
@@ -144,6 +170,7 @@ def _dedup(url: str, model: Path, tmp_path: Path) -> None:
         by_prompt.setdefault(prompt, set()).add(orjson.dumps(line["response"]["body"]["choices"]))
         assert line["provenance"]["computed_in"] == job.batch_id
     assert all(len(bodies) == 1 for bodies in by_prompt.values())
+    assert nights.cached()[0] == 4 and nights.copied_bytes(job.id) == 0  # 40 rows, 4 bodies
 
 
 def test_dedup_within_a_job_sqlite(sqlite_url: str, tiny_llama: Path, tmp_path: Path) -> None:
@@ -159,23 +186,29 @@ def test_refresh_recomputes_and_replaces(sqlite_url: str, tiny_llama: Path, tmp_
     nights = Nights(sqlite_url, tiny_llama, tmp_path)
     path = tmp_path / "in.jsonl"
     _write(path, [f"prompt {i}" for i in range(6)])
-    nights.run(path)
+    first_job, _, first = nights.run(path)
     job, stats, lines = nights.run(path, result_cache="refresh")
     assert stats.requests_finished == 6
     assert {line["provenance"]["result_cache"] for line in lines} == {"miss"}
     _, stats, lines = nights.run(path)
     assert stats.requests_finished == 0  # served without the engine ...
     assert {line["provenance"]["computed_in"] for line in lines} == {job.batch_id}  # ... from the refresh
+    with nights.sessions() as session:  # the first job's output is what it was, body for body
+        assert [orjson.loads(line) for line in export_results(session, job_id=first_job.id)] == first
 
 
 def test_evicted_bodies_are_recomputed(sqlite_url: str, tiny_llama: Path, tmp_path: Path) -> None:
     nights = Nights(sqlite_url, tiny_llama, tmp_path)
     path = tmp_path / "in.jsonl"
     _write(path, [f"prompt {i}" for i in range(8)])
-    _, _, first = nights.run(path)
+    job1, _, first = nights.run(path)
     with nights.sessions() as session:
         bodies, size = cache_store.cache_size(session)
         assert bodies == 8 and size > 0
+        assert cache_store.evict(session, max_bytes=0) == 0  # night 1's rows reference them all: pinned
+        assert [orjson.loads(line) for line in export_results(session, job_id=job1.id)] == first
+    nights.delete_output(job1.id)  # nothing references them now
+    with nights.sessions() as session:
         assert cache_store.evict(session, max_bytes=size // 2) >= 4  # least recently used first
         left, _ = cache_store.cache_size(session)
     job, stats, lines = nights.run(path)
@@ -187,13 +220,23 @@ def test_evicted_bodies_are_recomputed(sqlite_url: str, tiny_llama: Path, tmp_pa
 
 def test_cache_bound_keeps_at_most_max_bytes(sqlite_url: str, tiny_llama: Path, tmp_path: Path) -> None:
     nights = Nights(sqlite_url, tiny_llama, tmp_path, result_cache_max_bytes=2000)
-    path = tmp_path / "in.jsonl"
+    path, other = tmp_path / "in.jsonl", tmp_path / "other.jsonl"
     _write(path, [f"prompt {i}" for i in range(12)])
-    nights.run(path)
+    _write(other, [f"another prompt {i}" for i in range(12)])
+    job1, _, _ = nights.run(path)
+    bodies, size = nights.cached()
+    assert bodies == 12 and size > 2000  # referenced by night 1's rows: pinned, counted over the bound
+    assert nights.cached(pinned=True) == (bodies, size)
+    nights.delete_output(job1.id)
+    job2, _, _ = nights.run(other)  # its writes enforce the bound: night 1's bodies, unreferenced now, go
+    assert nights.cached() == nights.cached(pinned=True)
+    assert nights.cached()[0] == 12
+    nights.delete_output(job2.id)
     with nights.sessions() as session:
-        bodies, size = cache_store.cache_size(session)
+        cache_store.evict(session, max_bytes=2000)
+    bodies, size = nights.cached()
     assert 0 < bodies < 12 and size <= 2000
-    _, stats, _ = nights.run(path)  # whatever was evicted runs again; the job completes
+    _, stats, _ = nights.run(other)  # whatever was evicted runs again; the job completes
     assert stats.requests_finished == 12 - bodies
 
 
@@ -229,6 +272,9 @@ def test_purged_bodies_are_recomputed(sqlite_url: str, tiny_llama: Path, tmp_pat
     path = tmp_path / "in.jsonl"
     _write(path, [f"prompt {i}" for i in range(6)])
     job1, _, first = nights.run(path)
+    with nights.sessions() as session:  # bodies night 1's rows reference stay while they do
+        assert purge(session, settings=nights.settings).result_bodies == 0
+        assert cache_store.purge_unused(session, older_than_s=0, now=utcnow() + timedelta(hours=2)) == 0
     with nights.sessions() as session:  # two hours on: night 1's job and its unused bodies go
         report = purge(session, settings=nights.settings, now=utcnow() + timedelta(hours=2))
         assert report.jobs == [job1.id] and report.result_bodies == 6
