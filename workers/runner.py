@@ -17,7 +17,6 @@ budget (max_num_batched_tokens, at least one input) per loop turn, so generation
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -109,9 +108,10 @@ class ShardRunner:
         self._flights: dict[int, _Flight] = {}
         self._submitted: dict[str, _Submitted] = {}
         self._embeddings = EmbeddingQueue(engine, model)  # run between steps, within a step's budget
-        identity_of = functools.partial(runner_identity, engine.config, model=model, adapters=self.adapters)
-        self._cache = ResultCache(sessions=sessions, settings=settings, identity_of=identity_of,
-                                  on_served=self.metrics.result_cache_served)
+        self._cache = ResultCache(  # the engine's config read when a shard is planned (a lazy engine's grows)
+            sessions=sessions, settings=settings, on_served=self.metrics.result_cache_served,
+            identity_of=lambda served: runner_identity(self.engine.config, served, model=model,
+                                                       adapters=self.adapters))
         self._last_flush = time.monotonic()
         self._next_claim_at = 0.0
         self._last_worker_beat = time.monotonic()

@@ -100,8 +100,9 @@ def lookup(session: Session, *, keys: Collection[str], now: datetime | None = No
         with write_transaction(session):
             for start in range(0, len(touched), LOOKUP_BATCH):
                 part = touched[start:start + LOOKUP_BATCH]
-                session.execute(update(ResultBody).where(ResultBody.key.in_(part))
-                                .values(last_used_at=now or utcnow()))
+                session.execute(update(ResultBody).where(_unlocked(ResultBody.key.in_(part)))
+                                .values(last_used_at=now or utcnow())
+                                .execution_options(synchronize_session=False))
     return found
 
 
@@ -111,15 +112,16 @@ def attach_bodies(session: Session, *, refs: Sequence[BodyRef], job_id: int, ref
     (a `refresh` job's own bodies replace an earlier job's: `_replace`), mark it used, and return for
     every key the job whose body it holds now. A row may reference its key only when that is the job
     that computed the row's body; the rows referencing a body are written in this same transaction, so
-    it is never evicted in between (eviction only deletes a body not touched since it looked)."""
+    it is never evicted in between (eviction only deletes a body not touched since it looked).
+
+    Rows are locked in key order, one order for every writer, so two writers never deadlock; eviction,
+    the purge and lookups skip a locked row instead of waiting for it."""
     by_key: dict[str, BodyRef] = {}
     for ref in refs:
         by_key.setdefault(ref.key, ref)
     if not by_key:
         return {}
     now = now or utcnow()
-    if refresh:
-        _replace(session, [ref for ref in by_key.values() if ref.computed_in == job_id], job_id=job_id)
     insert = sqlite_insert if is_sqlite(session) else postgresql_insert
     statement = insert(ResultBody)
     # DO UPDATE (not NOTHING): the touch locks the row (PostgreSQL), and moves last_used_at past what
@@ -127,9 +129,15 @@ def attach_bodies(session: Session, *, refs: Sequence[BodyRef], job_id: int, ref
     statement = statement.on_conflict_do_update(index_elements=["key"],
                                                 set_={"last_used_at": statement.excluded.last_used_at})
     keys = sorted(by_key)
-    session.execute(statement, [{"key": key, "body": by_key[key].body, "size": len(by_key[key].body),
-                                 "computed_in": by_key[key].computed_in, "created_at": now,
-                                 "last_used_at": now} for key in keys])
+    values = [{"key": key, "body": by_key[key].body, "size": len(by_key[key].body), "created_at": now,
+               "computed_in": by_key[key].computed_in, "last_used_at": now} for key in keys]
+    if refresh:  # one key at a time, still in key order: its old body (if any) leaves first
+        for key, value in zip(keys, values, strict=True):
+            if by_key[key].computed_in == job_id:
+                _replace(session, key, job_id=job_id)
+            session.execute(statement, [value])
+    else:
+        session.execute(statement, values)  # one INSERT, its rows in key order
     held: dict[str, int] = {}
     for start in range(0, len(keys), LOOKUP_BATCH):
         part = keys[start:start + LOOKUP_BATCH]
@@ -138,24 +146,28 @@ def attach_bodies(session: Session, *, refs: Sequence[BodyRef], job_id: int, ref
     return held
 
 
-def _replace(session: Session, refs: Sequence[BodyRef], *, job_id: int) -> None:
-    """A refresh job's bodies replace an earlier job's: an old body no row references goes; one that rows
+def _replace(session: Session, key: str, *, job_id: int) -> None:
+    """A refresh job's body replaces an earlier job's: an old body no row references goes; one that rows
     reference moves, with them, to its archive key, so their output stays what it was."""
-    keys = sorted(ref.key for ref in refs)
-    for start in range(0, len(keys), LOOKUP_BATCH):
-        query = select(ResultBody.key, ResultBody.computed_in).where(
-            ResultBody.key.in_(keys[start:start + LOOKUP_BATCH]), ResultBody.computed_in != job_id)
-        if not is_sqlite(session):
-            query = query.with_for_update()  # no row starts referencing it while it moves
-        for key, computed_in in session.execute(query).all():
-            referenced = session.scalar(select(exists().where(Request.result_key == key)))
-            archive = archive_key(key, computed_in)
-            if referenced and not session.scalar(select(exists().where(ResultBody.key == archive))):
-                session.execute(update(ResultBody).where(ResultBody.key == key).values(key=archive))
-            else:  # unreferenced, or archived before (the same job's body under the same key)
-                session.execute(delete(ResultBody).where(ResultBody.key == key))
-            if referenced:
-                session.execute(update(Request).where(Request.result_key == key).values(result_key=archive))
+    query = select(ResultBody.computed_in).where(ResultBody.key == key, ResultBody.computed_in != job_id)
+    computed_in = session.scalar(query.with_for_update())  # no row starts referencing it while it moves
+    if computed_in is None:
+        return
+    referenced = session.scalar(select(exists().where(Request.result_key == key)))
+    archive = archive_key(key, computed_in)
+    if referenced and not session.scalar(select(exists().where(ResultBody.key == archive))):
+        session.execute(update(ResultBody).where(ResultBody.key == key).values(key=archive))
+    else:  # unreferenced, or archived before (the same job's body under the same key)
+        session.execute(delete(ResultBody).where(ResultBody.key == key))
+    if referenced:
+        session.execute(update(Request).where(Request.result_key == key).values(result_key=archive))
+
+
+def _unlocked(*conditions: ColumnElement[bool]) -> ColumnElement[bool]:
+    """Bodies matching `conditions` that no writer holds now (PostgreSQL: SKIP LOCKED; SQLite writers
+    take turns): eviction, the purge and the LRU touch never wait on, nor deadlock with, attach_bodies."""
+    held_by_none = select(ResultBody.key).where(*conditions).with_for_update(skip_locked=True)
+    return ResultBody.key.in_(held_by_none.scalar_subquery())
 
 
 def evict(session: Session, *, max_bytes: int) -> int:
@@ -179,9 +191,9 @@ def evict(session: Session, *, max_bytes: int) -> int:
         for start in range(0, len(gone), LOOKUP_BATCH):
             part = gone[start:start + LOOKUP_BATCH]
             # guarded: a body touched (attach_bodies) or referenced since it was looked at stays
-            deleted += rowcount(session.execute(delete(ResultBody).where(
+            deleted += rowcount(session.execute(delete(ResultBody).where(_unlocked(
                 ResultBody.key.in_([key for key, _ in part]),
-                ResultBody.last_used_at <= max(last_used for _, last_used in part), ~is_referenced())
+                ResultBody.last_used_at <= max(last_used for _, last_used in part), ~is_referenced()))
                 .execution_options(synchronize_session=False)))
     return deleted
 
@@ -193,8 +205,8 @@ def purge_unused(session: Session, *, older_than_s: float | None, now: datetime 
         return 0
     cutoff = (now or utcnow()) - timedelta(seconds=older_than_s)
     with write_transaction(session):
-        return rowcount(session.execute(delete(ResultBody).where(ResultBody.last_used_at <= cutoff,
-                                                                  ~is_referenced())
+        return rowcount(session.execute(delete(ResultBody).where(_unlocked(ResultBody.last_used_at <= cutoff,
+                                                                           ~is_referenced()))
                                         .execution_options(synchronize_session=False)))
 
 

@@ -5,16 +5,18 @@ pinned against eviction and the retention purge, and a refresh never changes an 
 from __future__ import annotations
 
 import hashlib
+import threading
 from datetime import timedelta
 
 import orjson
+import pytest
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from batchinfer.config import Settings
 from batchinfer.store import result_cache as cache_store
 from batchinfer.store import shards
-from batchinfer.store.db import write_transaction
+from batchinfer.store.db import session_factory, upgrade, write_transaction
 from batchinfer.store.export import export_results
 from batchinfer.store.models import Job, Request, ResultBody, utcnow
 from batchinfer.store.result_cache import BodyRef
@@ -173,3 +175,25 @@ def test_migration_0013_writes_bodies_back_and_drops_stale_keys(db_url: str, ses
     command.upgrade(alembic_config(db_url), "head")  # the copy is the row's output: its key pinned nothing
     assert session.scalars(select(Request.result_key).where(Request.job_id == job.id)).all() == [None, None]
     assert list(export_results(session, job_id=job.id)) == before
+
+
+@pytest.mark.postgres
+def test_eviction_skips_a_body_a_writer_holds_instead_of_waiting(pg_url: str) -> None:
+    upgrade(pg_url)
+    sessions = session_factory(pg_url)
+    ref = BodyRef(_key("held"), orjson.dumps(_body("held")), 1)
+    with sessions() as writer, sessions() as evictor:
+        with write_transaction(writer):
+            cache_store.attach_bodies(writer, refs=[ref], job_id=1, refresh=False,
+                                      now=utcnow() - timedelta(hours=1))
+        writer.begin()  # a worker's write: the body is touched (locked) and rows will reference it
+        cache_store.attach_bodies(writer, refs=[ref], job_id=2, refresh=False)
+        evicted: list[int] = []
+        thread = threading.Thread(target=lambda: evicted.append(cache_store.evict(evictor, max_bytes=0)))
+        thread.start()
+        thread.join(timeout=20)
+        waited = thread.is_alive()  # blocked on the writer's lock (what SKIP LOCKED avoids)
+        writer.commit()
+        thread.join()
+        assert not waited and evicted == [0]  # skipped at once: a body about to be referenced stays
+        assert cache_store.evict(evictor, max_bytes=0) == 1  # free again: nothing references it
