@@ -7,22 +7,65 @@ Night 1 runs `--lines` deterministic lines (half greedy, half seeded sampling); 
 with `--changed` prompts edited: it must compute only those (the rest are hits equal to night 1's
 choices), and its wall time (process start to exit, model load included) is printed beside night 1's. The
 duplicate job is `--distinct` prompts x `--copies` custom_ids. `--result-cache off` recomputes night 2.
+Each run also prints the tokens it computed per second and per CPU-second (the process's user + system
+time), and the CPU kind is printed first: figures of a shared machine are read as ratios of one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import platform
+import resource
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
+
+JsonObject = dict[str, object]  # a batch object or an output line, as orjson reads it
+
+
+@dataclass(frozen=True)
+class Night:
+    """One `batchinfer run`: its wall and CPU seconds, the batch object and the output lines."""
+
+    wall: float
+    cpu: float  # user + system seconds of the process
+    batch: JsonObject
+    lines: list[dict]
+
+    def sources(self) -> Counter[str]:
+        """Lines by provenance.result_cache: miss (computed here), hit, dedup."""
+        return Counter(line["provenance"]["result_cache"] for line in self.lines)
+
+    def computed_tokens(self) -> int:
+        """Completion tokens this run computed (its misses; hits and copies cost no token)."""
+        return sum(line["response"]["body"]["usage"]["completion_tokens"] for line in self.lines
+                   if line["provenance"]["result_cache"] == "miss")
+
+
+def cpu_kind() -> str:
+    """The CPU model and the flags that pick dtypes and kernels (bf16, VNNI, AMX)."""
+    from batchinfer.engine.native.cpu_features import NATIVE_BF16_CPU_FLAGS, VNNI_CPU_FLAGS, cpu_flags
+
+    name = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as info:
+            names = (line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+            name = next(names, name)
+    except OSError:
+        pass
+    flags = cpu_flags()
+    features = [flag for flag in ("avx512f", *NATIVE_BF16_CPU_FLAGS, *VNNI_CPU_FLAGS) if flag in flags]
+    amx = "AMX" if any(flag.startswith("amx") for flag in flags) else "no AMX"
+    return f"{name}, {os.cpu_count()} cores, {' '.join(features) or 'no AVX-512'}, {amx}"
 
 
 def write_night(path: Path, prompts: list[str], *, max_tokens: int, seeds: bool = True) -> None:
@@ -37,23 +80,29 @@ def write_night(path: Path, prompts: list[str], *, max_tokens: int, seeds: bool 
                                     "url": "/v1/chat/completions", "body": body}) + b"\n")
 
 
-def run(input_path: Path, output: Path, env: dict[str, str], *extra: str) -> tuple[float, dict, list[dict]]:
-    """One `batchinfer run`: (wall seconds, the batch object, the output lines)."""
+def run(input_path: Path, output: Path, env: dict[str, str], *extra: str) -> Night:
+    """One `batchinfer run` of `input_path` in a fresh process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "batchinfer", "run", str(input_path), "-o", str(output),
                            "--json", *extra], env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if done.returncode != 0:
         raise SystemExit(f"batchinfer run failed ({done.returncode}): {done.stderr[-2000:]}")
     batch = orjson.loads(done.stdout.strip().splitlines()[-1])
     lines = [orjson.loads(line) for line in output.read_bytes().splitlines() if line.strip()]
-    return wall, batch, lines
+    return Night(wall, cpu, batch, lines)
 
 
-def describe(name: str, wall: float, batch: dict, lines: list[dict]) -> str:
-    sources = Counter(line["provenance"]["result_cache"] for line in lines)
-    return (f"{name:<22} {wall:7.2f} s  {len(lines):5d} lines  computed {sources['miss']:5d}  "
-            f"hits {sources['hit']:5d}  dedup {sources['dedup']:5d}  (batch {batch['result_cache']})")
+def describe(name: str, night: Night) -> str:
+    """One row: times, what the lines came from, computed tokens per second and per CPU-second."""
+    sources, tokens = night.sources(), night.computed_tokens()
+    return (f"{name:<22} {night.wall:6.2f} s  cpu {night.cpu:6.2f} s  {len(night.lines):4d} lines  "
+            f"computed {sources['miss']:4d}  hits {sources['hit']:4d}  dedup {sources['dedup']:4d}  "
+            f"{tokens:5d} tokens: {tokens / night.wall:6.1f} tok/s, {tokens / max(night.cpu, 1e-9):6.1f} "
+            f"tok/CPU-s  (batch {night.batch['result_cache']})")
 
 
 def main() -> None:
@@ -87,15 +136,18 @@ def main() -> None:
         off = run(tmp / "night2.jsonl", tmp / "out3.jsonl", env, "--result-cache", "off")
         dups = run(tmp / "dups.jsonl", tmp / "out4.jsonl", env)
 
+        print(f"CPU: {cpu_kind()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         print(f"model {args.model}, {args.lines} lines (max_tokens {args.max_tokens}), "
               f"{len(changed)} changed")
-        print(describe("night 1", *first))
-        print(describe("night 2", *second))
-        print(describe("night 2, cache off", *off))
-        print(describe(f"{args.distinct} x {args.copies} duplicates", *dups))
-        print(f"night 2 / night 1 wall time: {second[0] / first[0]:.2f}x")
+        print(describe("night 1", first))
+        print(describe("night 2", second))
+        print(describe("night 2, cache off", off))
+        print(describe(f"{args.distinct} x {args.copies} duplicates", dups))
+        print(f"night 2 / night 1 wall time: {second.wall / first.wall:.2f}x, CPU time: "
+              f"{second.cpu / first.cpu:.2f}x")
         same = all(a["response"]["body"]["choices"] == b["response"]["body"]["choices"]
-                   for i, (a, b) in enumerate(zip(first[2], second[2], strict=True)) if i not in changed)
+                   for i, (a, b) in enumerate(zip(first.lines, second.lines, strict=True))
+                   if i not in changed)
         print(f"hits equal night 1's choices: {same}")
 
 

@@ -15,9 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from workers.metrics import WorkerMetrics
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the real ones import torch: this module must not (a hit loads no engine)
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.llm_engine import Engine
+    from batchinfer.engine.lora.request import LoRARequest
+    from batchinfer.engine.outputs import RequestOutput
+    from batchinfer.engine.sampling_params import SamplingParams
 
 
 class EngineStartError(RuntimeError):
@@ -50,15 +53,19 @@ class LazyEngine:
             return self._engine
 
     def has_unfinished(self) -> bool:
+        """Engine.has_unfinished; False before the engine exists."""
         return self._engine is not None and self._engine.has_unfinished()
 
     def get_num_unfinished(self) -> int:
+        """Engine.get_num_unfinished; 0 before the engine exists."""
         return 0 if self._engine is None else self._engine.get_num_unfinished()
 
-    def request_progress(self, request_id: str) -> Any:
+    def request_progress(self, request_id: str) -> tuple[int, int] | None:
+        """Engine.request_progress; None (no such request) before the engine exists."""
         return None if self._engine is None else self._engine.request_progress(request_id)
 
-    def abort(self, request_id: str) -> Any:
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Engine.abort; a no-op before the engine exists."""
         return None if self._engine is None else self._engine.abort(request_id)
 
     def worker_metrics(self) -> WorkerMetrics:
@@ -73,7 +80,7 @@ class LazyEngine:
     # What a ShardRunner calls once work arrives: each builds the engine on first use (no attribute proxy,
     # so the runner's needs stay listed here and a new one fails loudly in review, not at run time).
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Any:  # the engine's transformers tokenizer: an untyped third-party object
         """The engine's tokenizer (builds the engine)."""
         return self.get().tokenizer
 
@@ -81,14 +88,19 @@ class LazyEngine:
         """Engine.tokenize (builds the engine)."""
         return self.get().tokenize(prompt, add_special_tokens=add_special_tokens)
 
-    def add_request(self, *args: Any, **kwargs: Any) -> Any:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
+                    add_special_tokens: bool = True, lora_request: LoRARequest | None = None) -> None:
         """Engine.add_request (builds the engine)."""
-        return self.get().add_request(*args, **kwargs)
+        self.get().add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                               arrival_time=arrival_time, add_special_tokens=add_special_tokens,
+                               lora_request=lora_request)
 
-    def embed(self, *args: Any, **kwargs: Any) -> Any:
+    def embed(self, inputs: list[str | list[int]], *, first_index: int = 0
+              ) -> tuple[list[list[float]], int]:
         """Engine.embed (builds the engine)."""
-        return self.get().embed(*args, **kwargs)
+        return self.get().embed(inputs, first_index=first_index)
 
-    def step(self) -> list[Any]:
+    def step(self) -> list[RequestOutput]:
         """Engine.step; nothing to do before the engine exists."""
         return [] if self._engine is None else self._engine.step()

@@ -121,7 +121,7 @@ class ModelIdentity:
 
 def fingerprint_cache_dir() -> Path:
     """Beside the converted-model cache: $BATCHINFER_CACHE_DIR/fingerprints."""
-    from batchinfer.engine.models.loader import cache_dir
+    from batchinfer.engine.model_files import cache_dir
 
     return cache_dir() / "fingerprints"
 
@@ -129,10 +129,10 @@ def fingerprint_cache_dir() -> Path:
 def model_identity(config: EngineConfig, *, served_model: str, adapter: tuple[str, str] | None = None
                    ) -> ModelIdentity:
     """The identity of `config`'s model (fingerprinted once per process and cached on disk)."""
-    from batchinfer.engine.models.loader import resolve_model_path
+    from batchinfer.engine.model_files import resolve_model_path  # torch-free: hits load no engine
 
     cache = fingerprint_cache_dir()
-    dtype = str(config.resolved_dtype()).removeprefix("torch.")
+    dtype = config.resolved_dtype_name()
     fingerprint = fingerprint_dir(resolve_model_path(config.model), cache_dir=cache)
     name, adapter_fp = None, None
     if adapter is not None:

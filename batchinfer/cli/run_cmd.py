@@ -152,12 +152,12 @@ def _check_engine(model: str, engine_kwargs: dict) -> None:
     """Exit 1 with one line unless `model` resolves here and the engine knobs are valid for it (cheap:
     the model's config is read, no weight is loaded)."""
     from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.models.resolved_model import resolve_model
+    from batchinfer.engine.model_files import check_model
 
     try:
         config = EngineConfig(model=model, **engine_kwargs)
         config.resolved_device()  # DeviceUnavailableError: a CUDA device this torch or machine lacks
-        resolve_model(config, with_tokenizer=False)  # ModelNotFoundError; max_model_len vs the model
+        check_model(config)  # ModelNotFoundError; max_model_len vs the model (no torch: hits need none)
     except (ValueError, FileNotFoundError) as exc:
         fail(str(exc))
 

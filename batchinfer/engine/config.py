@@ -185,10 +185,14 @@ class EngineConfig:
         """
         import torch
 
+        return getattr(torch, self.resolved_dtype_name())
+
+    def resolved_dtype_name(self) -> str:
+        """resolved_dtype's name ("bfloat16", ...): torch is imported only to resolve device "auto"."""
         if self.dtype == "auto":
             native = self.resolved_device().startswith("cuda") or cpu_has_native_bf16()
-            return torch.bfloat16 if native else torch.float32
-        return getattr(torch, self.dtype)
+            return "bfloat16" if native else "float32"
+        return self.dtype
 
 
 def _require_int(name: str, value: object, *, minimum: int | None) -> None:

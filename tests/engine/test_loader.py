@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from batchinfer.engine import LLM
+from batchinfer.engine import LLM, model_files
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.models import loader
 from batchinfer.engine.models.loader import ModelNotFoundError, load_tokenizer, resolve_model_path
@@ -159,7 +159,7 @@ def fake_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_llama: Path)
             raise RuntimeError("converter crashed")
         shutil.copy(tiny_llama / "model.safetensors", out_dir)
 
-    monkeypatch.setattr(loader, "convert_gguf", convert)
+    monkeypatch.setattr(model_files, "convert_gguf", convert)  # the converter lives there
     return state
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.model_files import max_model_len_for, read_json_file
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class ResolvedModel:
 
 
 def resolve_model(config: EngineConfig, *, with_tokenizer: bool = True) -> ResolvedModel:
-    """Resolve config.model; raises ValueError naming max_model_len before any weight is loaded.
+    """Resolve config.model; raises ValueError naming max_model_len before any weight is loaded
+    (engine.model_files.check_model makes the same checks without torch or transformers).
 
     with_tokenizer=False skips the tokenizer (a ModelRunner built on its own needs none), so the EOS
     ids then come from the model config and generation_config.json only.
@@ -47,32 +49,18 @@ def resolve_model(config: EngineConfig, *, with_tokenizer: bool = True) -> Resol
 
     path = resolve_model_path(config.model)
     hf_config = load_hf_config(path)
-    max_model_len = _resolve_max_model_len(config, hf_config)
+    model_max = getattr(hf_config, "max_position_embeddings", None)
+    max_model_len = max_model_len_for(config.max_model_len, model_max)
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     eos = _eos_token_ids(path, hf_config, tokenizer)
     return ResolvedModel(path, hf_config, max_model_len, eos, tokenizer)
 
 
-def _resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
-    model_max = getattr(hf_config, "max_position_embeddings", None)
-    if config.max_model_len is None:
-        if model_max is None:
-            raise ValueError("max_model_len: the model config has no max_position_embeddings; set it")
-        return int(model_max)
-    if model_max is not None and config.max_model_len > model_max:
-        raise ValueError(
-            f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings "
-            f"({model_max})"
-        )
-    return config.max_model_len
-
-
 def _eos_token_ids(model_path: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:
-    values = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
-    if (model_path / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
-        values.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    # generation_config.json read as transformers' GenerationConfig reads its eos_token_id (int or list)
+    generation = read_json_file(model_path / "generation_config.json")
+    values = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None),
+              generation.get("eos_token_id")]
     found: set[int] = set()
     for value in values:
         if isinstance(value, int):
