@@ -39,20 +39,29 @@ TINY_ROW_MAX = 1e-12  # an all-zero row divides by this instead of 0 (it stays a
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 
-def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn:
-    """x -> x @ weight.T + bias through oneDNN with the weight reordered once into its blocked layout."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    bias = None if bias is None else bias.detach()
+class OneDnnLinear:
+    """x -> x @ weight.T + bias through oneDNN with the weight reordered once into its blocked layout.
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    A class rather than a closure so that worker/native_step.py can hand the packed weight to the C++
+    decoder stack (the same GEMM, called without Python).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:  # the engine's activations are [T, features]; keep any other caller working
-            return forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-    return forward
+            return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, per_token: bool = False) -> LinearFn:
+def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn:
+    """x -> x @ weight.T + bias through oneDNN's prepacked GEMM (OneDnnLinear)."""
+    return OneDnnLinear(weight, bias)
+
+
+class Int8Linear:
     """x -> x @ dequant(W_int8).T + bias: per-output-channel symmetric int8 weights, fbgemm dynamic GEMM.
 
     Activations are quantized per call (per tensor, asymmetric uint8); full range with VNNI, 7 bits
@@ -60,34 +69,42 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, per_token: bool
     10% error). per_token: each row of x is divided by its max |x| before the GEMM and its output row
     multiplied back, so a row with outliers no longer sets the quantization step of the others (an
     elementwise pass over x and y; the bias is added after). The output comes back in x's dtype.
+    A class so that worker/native_step.py can hand its packed weight to the C++ decoder stack.
     """
-    reduce_range = not cpu_has_vnni()
-    w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
-    zero_points = torch.zeros(w.shape[0], dtype=torch.long)
-    float_bias = None if bias is None else bias.detach().float()
-    with warnings.catch_warnings():  # quantize_per_channel is deprecated upstream; fbgemm still needs it
-        warnings.simplefilter("ignore")
-        qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
-        packed = torch.ops.quantized.linear_prepack(qweight, None if per_token else float_bias)
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, per_token: bool = False) -> None:
+        self.reduce_range = not cpu_has_vnni()
+        self.per_token = per_token
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
+        zero_points = torch.zeros(w.shape[0], dtype=torch.long)
+        self.float_bias = None if bias is None else bias.detach().float()
+        with warnings.catch_warnings():  # quantize_per_channel is deprecated upstream; fbgemm still needs it
+            warnings.simplefilter("ignore")
+            qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
+            # fbgemm's LinearPackedParamsBase (a torch.ScriptObject); per tensor it holds the bias too
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None if per_token else self.float_bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).float()
-        if per_token:
+        if self.per_token:
             ops = fused_ops_for(flat)
             if ops is not None and flat.is_contiguous():
                 scaled, row_max = ops.scale_rows(flat, TINY_ROW_MAX)  # one pass instead of four ops
             else:
                 row_max = flat.abs().amax(dim=1, keepdim=True).clamp_(min=TINY_ROW_MAX)
                 scaled = flat / row_max
-            out = torch.ops.quantized.linear_dynamic(scaled, packed, reduce_range).mul_(row_max)
-            if float_bias is not None:
-                out += float_bias
+            out = torch.ops.quantized.linear_dynamic(scaled, self.packed, self.reduce_range).mul_(row_max)
+            if self.float_bias is not None:
+                out += self.float_bias
         else:
-            out = torch.ops.quantized.linear_dynamic(flat, packed, reduce_range)
+            out = torch.ops.quantized.linear_dynamic(flat, self.packed, self.reduce_range)
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
-    return forward
+
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, per_token: bool = False) -> LinearFn:
+    """x -> x @ dequant(W_int8).T + bias through fbgemm's dynamic int8 GEMM (Int8Linear)."""
+    return Int8Linear(weight, bias, per_token)
 
 
 def onednn_supports(dtype: torch.dtype) -> bool:

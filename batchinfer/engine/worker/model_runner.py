@@ -39,6 +39,7 @@ from batchinfer.engine.models.loader import load_weights
 from batchinfer.engine.models.resolved_model import ResolvedModel, resolve_model
 from batchinfer.engine.parallel.distributed import all_reduce_min_int
 from batchinfer.engine.worker.cuda_graphs import DecodeGraphs
+from batchinfer.engine.worker.native_step import NativeStep
 
 if TYPE_CHECKING:  # the one architecture; imported for types only
     from batchinfer.engine.models.llama import LlamaForCausalLM
@@ -152,6 +153,9 @@ class ModelRunner:
                 "kv_cache_memory_bytes (CPU), gpu_memory_utilization (CUDA) or set num_kv_blocks"
             )
         self.kv_cache: torch.Tensor | None = self._allocate_kv_cache(self.num_kv_blocks)  # None: released
+        # CPU: the decoder stack of a step as one C++ call (None: the Python layer loop runs it)
+        self.native_step = (None if config.enable_lora or self.attention_backend != "torch"
+                            else NativeStep.build(self.model, self.dtype, self.device))
         if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
             self.decode_graphs.capture(self.model, hidden_size=self.hf_config.hidden_size, dtype=self.dtype,
                                        device=self.device)
@@ -319,7 +323,10 @@ class ModelRunner:
         else:
             set_context(batch.context)
             try:
-                hidden = self.model(batch.input_ids, batch.positions)
+                if self.native_step is not None:
+                    hidden = self.native_step.forward(batch.input_ids, batch.positions, batch.context)
+                else:
+                    hidden = self.model(batch.input_ids, batch.positions)
             finally:
                 set_context(None)
             hidden = hidden.index_select(0, batch.logits_indices)

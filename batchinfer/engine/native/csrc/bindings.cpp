@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "cpu_kernels.h"
+#include "decoder_stack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", torch::wrap_pybind_function(paged_decode_attention), "paged_decode_attention");
@@ -13,4 +14,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_rows", torch::wrap_pybind_function(scale_rows), "scale_rows");
   m.def("q4_linear", torch::wrap_pybind_function(q4_linear), "q4_linear");
   m.def("q8_linear", torch::wrap_pybind_function(q8_linear), "q8_linear");
+  bind_decoder_stack(m);
 }

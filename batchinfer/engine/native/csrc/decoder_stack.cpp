@@ -1,0 +1,174 @@
+// The Llama decoder stack of one step in one native call (engine/worker/native_step.py drives it).
+//
+// Why: the Python layer loop dispatches ~18 ops per layer (norms, the four linears, rotary, the K/V store,
+// attention, SiLU-and-mul, views) through nn.Module calls; on 2 cores that interpreter time between the
+// kernels is 10-40% of a small decode step (int8, whose GEMMs are fastest, loses most). This loop calls the
+// same kernels in the same order (fused_ops.cpp, paged_attention.cpp, oneDNN's prepacked GEMM or fbgemm's
+// dynamic int8 GEMM through the dispatcher), so its output is bit-identical to the Python path.
+//
+// A step that is not decode-only (prefill chunks, whose attention runs as padded SDPA groups) or whose KV
+// cache the native kernel cannot read passes `attention`, a Python callable (layer, q, k, v) -> [T, H * D]:
+// only attention then runs in Python, once per layer.
+
+#include <torch/extension.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+constexpr double kTinyRowMax = 1e-12;  // weight_packing.TINY_ROW_MAX: an all-zero row stays all zero
+
+// How a linear's weight is packed (weight_packing.py's kernels; the values are NativeLinearKind there).
+enum LinearKind : int64_t { kAtenLinear = 0, kOneDnnLinear = 1, kInt8Linear = 2 };
+
+struct NativeLinear {
+  int64_t kind = kAtenLinear;
+  torch::Tensor weight;                // aten: the dense [N, K] weight; oneDNN: the prepacked weight
+  c10::optional<torch::Tensor> bias;   // aten / oneDNN: in the GEMM; int8 per token: added after rescaling
+  c10::IValue packed;                  // int8: fbgemm's LinearPackedParamsBase (its bias inside, per tensor)
+  bool per_token = false;              // int8: each row scaled to max 1 around the GEMM
+  bool reduce_range = false;           // int8: 7-bit activations (no VNNI)
+};
+
+torch::Tensor run_linear(const NativeLinear& l, const torch::Tensor& x) {
+  if (l.kind == kOneDnnLinear) {
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack{x, l.weight, l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue(),
+                            c10::IValue(std::string("none")), c10::IValue(c10::List<c10::optional<at::Scalar>>()),
+                            c10::IValue(std::string(""))};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+  if (l.kind == kInt8Linear) {
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
+    torch::Tensor flat = x.to(at::kFloat);
+    torch::Tensor row_max;
+    if (l.per_token) {
+      auto scaled = scale_rows(flat.contiguous(), kTinyRowMax);
+      flat = scaled[0];
+      row_max = scaled[1];
+    }
+    torch::jit::Stack stack{flat, l.packed, l.reduce_range};
+    op.callBoxed(&stack);
+    torch::Tensor out = stack[0].toTensor();
+    if (l.per_token) {
+      out.mul_(row_max);
+      if (l.bias.has_value()) out.add_(*l.bias);
+    }
+    return out.to(x.scalar_type());
+  }
+  return at::linear(x, l.weight, l.bias);
+}
+
+NativeLinear make_linear(int64_t kind, torch::Tensor weight, c10::optional<torch::Tensor> bias, py::object packed,
+                         bool per_token, bool reduce_range) {
+  TORCH_CHECK(kind == kAtenLinear || kind == kOneDnnLinear || kind == kInt8Linear, "unknown linear kind");
+  NativeLinear l;
+  l.kind = kind;
+  l.weight = std::move(weight);
+  l.bias = std::move(bias);
+  if (kind == kInt8Linear) {
+    static const c10::TypePtr packed_type =
+        torch::getCustomClass("__torch__.torch.classes.quantized.LinearPackedParamsBase");
+    TORCH_CHECK(packed_type != nullptr, "fbgemm's LinearPackedParamsBase is not registered");
+    l.packed = torch::jit::toIValue(packed, packed_type);
+  }
+  l.per_token = per_token;
+  l.reduce_range = reduce_range;
+  return l;
+}
+
+struct DecoderLayer {
+  torch::Tensor input_norm, post_attention_norm;
+  NativeLinear qkv, o_proj, gate_up, down;
+  torch::Tensor k_cache, v_cache;
+};
+
+}  // namespace
+
+// The layers of one model (weights bound once at load, caches whenever the runner allocates them).
+class DecoderStack {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
+               torch::Tensor final_norm)
+      : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps),
+        final_norm_(std::move(final_norm)) {}
+
+  // Linears as (kind, weight, bias, packed, per_token, reduce_range) tuples: qkv, o, gate_up, down.
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, std::vector<py::tuple> linears) {
+    TORCH_CHECK(linears.size() == 4, "four linears: qkv, o_proj, gate_up, down");
+    std::vector<NativeLinear> made;
+    for (const auto& t : linears)
+      made.push_back(make_linear(t[0].cast<int64_t>(), t[1].cast<torch::Tensor>(),
+                                 t[2].cast<c10::optional<torch::Tensor>>(), t[3].cast<py::object>(),
+                                 t[4].cast<bool>(), t[5].cast<bool>()));
+    layers_.push_back(DecoderLayer{std::move(input_norm), std::move(post_attention_norm), made[0], made[1],
+                                   made[2], made[3], torch::Tensor(), torch::Tensor()});
+  }
+
+  void bind_caches(std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches) {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "one cache per layer");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      layers_[i].k_cache = k_caches[i];
+      layers_[i].v_cache = v_caches[i];
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden [T, hidden] (the embeddings) -> the final norm's output [T, hidden]. cos / sin [T, D / 2] in the
+  // model dtype. Decode-only steps (attention None) store K/V at slots (rows: the packed rows written, None:
+  // all) and attend through block_tables / seq_lens; otherwise attention(layer, q, k, v) does both.
+  torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                        c10::optional<torch::Tensor> rows, c10::optional<torch::Tensor> block_tables,
+                        c10::optional<torch::Tensor> seq_lens, py::object attention) {
+    const bool native_attention = attention.is_none();
+    TORCH_CHECK(!native_attention || (block_tables.has_value() && seq_lens.has_value()),
+                "a native-attention step needs block tables and sequence lengths");
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    torch::Tensor h = std::move(hidden);
+    c10::optional<torch::Tensor> residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const DecoderLayer& layer = layers_[i];
+      auto normed = rms_norm(h, residual, layer.input_norm, eps_);
+      residual = residual.has_value() ? normed[1] : h;
+      torch::Tensor qkv = run_linear(layer.qkv, normed[0]);
+      rotary_(qkv, cos, sin, heads_ + kv_heads_, head_dim_);
+      torch::Tensor q = qkv.narrow(1, 0, q_size).view({-1, heads_, head_dim_});
+      torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, kv_heads_, head_dim_});
+      torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, kv_heads_, head_dim_});
+      torch::Tensor attended;
+      if (native_attention) {
+        store_kv_(k, v, layer.k_cache, layer.v_cache, slots, rows);
+        attended = torch::empty_like(q);
+        paged_decode_attention(attended, q, layer.k_cache, layer.v_cache, *block_tables, *seq_lens, scale_);
+        attended = attended.reshape({-1, q_size});
+      } else {
+        attended = attention(static_cast<int64_t>(i), q, k, v).cast<torch::Tensor>();
+      }
+      torch::Tensor out = run_linear(layer.o_proj, attended);
+      auto post = rms_norm(out, residual, layer.post_attention_norm, eps_);
+      residual = post[1];
+      h = run_linear(layer.down, silu_and_mul(run_linear(layer.gate_up, post[0])));
+    }
+    return rms_norm(h, residual, final_norm_, eps_)[0];
+  }
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  double scale_, eps_;
+  torch::Tensor final_norm_;
+  std::vector<DecoderLayer> layers_;
+};
+
+void bind_decoder_stack(py::module& m) {
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("bind_caches", &DecoderStack::bind_caches)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward);
+}
