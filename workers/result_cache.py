@@ -102,14 +102,14 @@ class ModelIdentity:
     adapter: str | None = None
     adapter_fingerprint: str | None = None
 
-    def key_fields(self) -> dict[str, Any]:
+    def key_fields(self) -> dict[str, object]:
         """Everything of the identity the cache key covers (with the engine's numerics version)."""
         return {"numerics": ENGINE_NUMERICS_VERSION, "model": self.model,
                 "fingerprint": self.model_fingerprint, "adapter": self.adapter,
                 "adapter_fingerprint": self.adapter_fingerprint, "dtype": self.dtype,
                 "quantization": self.quantization}
 
-    def provenance(self, *, seed: int | None, source: str, computed_in: int) -> dict[str, Any]:
+    def provenance(self, *, seed: int | None, source: str, computed_in: int) -> dict[str, object]:
         """An output line's `provenance` object."""
         adapter = (None if self.adapter is None
                    else {"name": self.adapter, "fingerprint": self.adapter_fingerprint})

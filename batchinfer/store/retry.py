@@ -13,7 +13,7 @@ import io
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -37,14 +37,34 @@ RETRY_KINDS: dict[str, tuple[RequestStatus, ...]] = {
 }
 
 
+class RetrySubmitArgs(TypedDict):
+    """store.jobs.submit_job's arguments for a child job: the parent's, its metadata naming the parent."""
+
+    model: str
+    owner: str
+    endpoint: str | None
+    priority: int
+    shard_size: int
+    result_cache: str
+    completion_window: str
+    metadata: dict[str, str]
+
+
+class LeftOutLine(TypedDict):
+    """An invalid line not retried: its line number and the error code ingest gave it."""
+
+    line: int
+    code: str | None
+
+
 @dataclass
 class RetryInput:
     """A child job's input and its submit arguments; `left_out`: invalid lines not retried."""
 
     stream: io.BytesIO
     lines: list[int]
-    submit_args: dict[str, Any]
-    left_out: list[dict[str, Any]] = field(default_factory=list)  # [{line, code}]
+    submit_args: RetrySubmitArgs
+    left_out: list[LeftOutLine] = field(default_factory=list)
 
 
 def check_kinds(only: Collection[str] | None) -> tuple[str, ...]:
@@ -71,16 +91,17 @@ def retry_input(session: Session, *, job_id: int, owner: str | None = None,
     rows = session.execute(select(Request.line_number, Request.payload.is_(None), Request.error_code)
                            .where(Request.id > first, Request.id <= last, Request.status.in_(statuses))
                            .order_by(Request.id)).all()
-    submit_args = {"model": job.model, "owner": job.owner, "endpoint": job.endpoint, "priority": job.priority,
-                   "shard_size": job.shard_size, "result_cache": job.result_cache,
-                   "completion_window": job.completion_window,
-                   "metadata": {**(job.meta or {}), "retry_of": job.batch_id}}
+    submit_args = RetrySubmitArgs(model=job.model, owner=job.owner, endpoint=job.endpoint,
+                                  priority=job.priority, shard_size=job.shard_size,
+                                  result_cache=job.result_cache, completion_window=job.completion_window,
+                                  metadata={**(job.meta or {}), "retry_of": job.batch_id})
     input_path = job.input_path
     end_transaction(session)
-    lines, left_out = [], []
+    lines: list[int] = []
+    left_out: list[LeftOutLine] = []
     for line_number, invalid, code in rows:
         if invalid and not include_invalid:
-            left_out.append({"line": line_number, "code": code})
+            left_out.append(LeftOutLine(line=line_number, code=code))
         else:
             lines.append(line_number)
     if not lines:
