@@ -81,8 +81,8 @@ class JobsCollector(Collector):
         running = GaugeMetricFamily(f"{PREFIX}shards_running", "Shards leased by a worker, by model.",
                                     labels=["model"])
         cache_bytes = GaugeMetricFamily(f"{PREFIX}result_cache_bytes",
-                                        "Bytes of result bodies the result cache holds (at most "
-                                        "result_cache_max_bytes).")
+                                        "Bytes of result bodies the result cache holds (bodies "
+                                        "batches reference are kept beyond result_cache_max_bytes).")
         cache_bodies = GaugeMetricFamily(f"{PREFIX}result_cache_bodies",
                                          "Result bodies the result cache holds.")
         at_risk = GaugeMetricFamily(f"{PREFIX}jobs_at_risk", "Running jobs whose predicted finish falls "
