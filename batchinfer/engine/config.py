@@ -5,8 +5,10 @@ Import-light: torch is imported only inside the helpers that resolve "auto" valu
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # EngineConfig.quantization values besides None: int8 weights (fbgemm), or a GGUF model's own Q4_0 / Q4_1 /
@@ -39,6 +41,20 @@ def check_device(value: object) -> str:
     if not isinstance(value, str) or not _DEVICE_PATTERN.match(value):
         raise ValueError(f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {value!r}")
     return value
+
+
+def torch_is_cpu_only_build() -> bool:
+    """True when the installed torch was built without CUDA or ROCm, read from its version.py without
+    importing torch (~2 s); False when unsure, so the caller asks torch itself."""
+    spec = importlib.util.find_spec("torch")
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            text = (Path(location) / "version.py").read_text()
+        except OSError:
+            continue
+        gpu_builds = re.findall(r"^(?:cuda|hip)\b[^=\n]*=\s*(.+)$", text, re.MULTILINE)
+        return len(gpu_builds) == 2 and all(value.strip() == "None" for value in gpu_builds)
+    return False
 
 
 def require_device(device: str) -> None:
@@ -173,6 +189,8 @@ class EngineConfig:
         if self.device != "auto":
             require_device(self.device)
             return self.device
+        if torch_is_cpu_only_build():  # no torch import: a result-cache hit resolves its dtype without it
+            return "cpu"
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -70,3 +70,23 @@ def test_a_job_of_hits_imports_neither_torch_nor_transformers(tiny_qwen2: Path, 
         line["response"]["body"]["choices"] for line in first]
     # the identity keyed without torch is the one the engine run recorded
     assert [line["provenance"]["dtype"] for line in second] == [line["provenance"]["dtype"] for line in first]
+
+
+def test_device_auto_resolves_without_torch_on_a_cpu_build() -> None:
+    """Device "auto" (the default) keys a hit (its dtype) without importing torch on a CPU-only torch."""
+    from batchinfer.engine.config import torch_is_cpu_only_build
+
+    probe = ("import sys\n"
+             "from batchinfer.engine.config import EngineConfig, torch_is_cpu_only_build\n"
+             "config = EngineConfig(model='m', device='auto')\n"
+             "print(torch_is_cpu_only_build(), config.resolved_device(), config.resolved_dtype_name(), "
+             "'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120, check=True)
+    cpu_only, device, _, torch_imported = done.stdout.split()
+    assert cpu_only == str(torch_is_cpu_only_build())
+    import torch
+
+    assert torch_is_cpu_only_build() == (torch.version.cuda is None and torch.version.hip is None)
+    if cpu_only == "True":
+        assert (device, torch_imported) == ("cpu", "False")
