@@ -157,7 +157,8 @@ def _check_engine(model: str, engine_kwargs: dict) -> None:
     try:
         config = EngineConfig(model=model, **engine_kwargs)
         config.resolved_device()  # DeviceUnavailableError: a CUDA device this torch or machine lacks
-        check_model(config)  # ModelNotFoundError; max_model_len vs the model (no torch: hits need none)
+        # ModelNotFoundError; max_model_len vs the model (no torch: hits need none)
+        check_model(config.model, max_model_len=config.max_model_len)
     except (ValueError, FileNotFoundError) as exc:
         fail(str(exc))
 

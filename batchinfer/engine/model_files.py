@@ -28,12 +28,9 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from batchinfer.engine.errors import ModelNotFoundError
-
-if TYPE_CHECKING:
-    from batchinfer.engine.config import EngineConfig
 
 # alias -> (PyPI distribution, importable package holding the file, GGUF file name)
 ALIASES: dict[str, tuple[str, str, str]] = {
@@ -121,14 +118,14 @@ def max_model_len_for(requested: int | None, model_max: object) -> int:
     return requested
 
 
-def check_model(config: EngineConfig) -> Path:
-    """config.model's directory, checked as resolve_model checks it (ModelNotFoundError; max_model_len vs
-    the model), from config.json alone: no weight, no torch, no transformers."""
-    path = resolve_model_path(config.model)
+def check_model(model: str, *, max_model_len: int | None) -> Path:
+    """EngineConfig.model's directory, checked as resolve_model checks it (ModelNotFoundError; max_model_len
+    vs the model), from config.json alone: no weight, no torch, no transformers."""
+    path = resolve_model_path(model)
     model_max = read_json_file(path / "config.json").get("max_position_embeddings")
     if model_max is None:  # transformers' config class may supply a default: let it decide
         model_max = getattr(load_hf_config(path), "max_position_embeddings", None)
-    max_model_len_for(config.max_model_len, model_max)
+    max_model_len_for(max_model_len, model_max)
     return path
 
 
