@@ -37,7 +37,8 @@ torch::Tensor run_linear(const NativeLinear& l, const torch::Tensor& x) {
   if (l.kind == kOneDnnLinear) {
     static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     torch::jit::Stack stack{x, l.weight, l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue(),
-                            c10::IValue(std::string("none")), c10::IValue(c10::List<c10::optional<at::Scalar>>()),
+                            c10::IValue(std::string("none")),
+                            c10::IValue(c10::List<c10::optional<at::Scalar>>()),
                             c10::IValue(std::string(""))};
     op.callBoxed(&stack);
     return stack[0].toTensor();
@@ -63,7 +64,8 @@ torch::Tensor run_linear(const NativeLinear& l, const torch::Tensor& x) {
   return at::linear(x, l.weight, l.bias);
 }
 
-NativeLinear make_linear(int64_t kind, torch::Tensor weight, c10::optional<torch::Tensor> bias, py::object packed,
+NativeLinear make_linear(int64_t kind, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                         py::object packed,
                          bool per_token, bool reduce_range) {
   TORCH_CHECK(kind == kAtenLinear || kind == kOneDnnLinear || kind == kInt8Linear, "unknown linear kind");
   NativeLinear l;
@@ -98,7 +100,8 @@ class DecoderStack {
         final_norm_(std::move(final_norm)) {}
 
   // Linears as (kind, weight, bias, packed, per_token, reduce_range) tuples: qkv, o, gate_up, down.
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, std::vector<py::tuple> linears) {
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
+                 std::vector<py::tuple> linears) {
     TORCH_CHECK(linears.size() == 4, "four linears: qkv, o_proj, gate_up, down");
     std::vector<NativeLinear> made;
     for (const auto& t : linears)
@@ -110,7 +113,8 @@ class DecoderStack {
   }
 
   void bind_caches(std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches) {
-    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "one cache per layer");
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+                "one cache per layer");
     for (size_t i = 0; i < layers_.size(); ++i) {
       layers_[i].k_cache = k_caches[i];
       layers_[i].v_cache = v_caches[i];
@@ -121,13 +125,24 @@ class DecoderStack {
 
   // hidden [T, hidden] (the embeddings) -> the final norm's output [T, hidden]. cos / sin [T, D / 2] in the
   // model dtype. Decode-only steps (attention None) store K/V at slots (rows: the packed rows written, None:
-  // all) and attend through block_tables / seq_lens; otherwise attention(layer, q, k, v) does both.
+  // all) and attend through block_tables / seq_lens, without the GIL (other Python threads of the process,
+  // a worker's heartbeat, run meanwhile); otherwise attention(layer, q, k, v) does both, under the GIL.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                         c10::optional<torch::Tensor> rows, c10::optional<torch::Tensor> block_tables,
                         c10::optional<torch::Tensor> seq_lens, py::object attention) {
-    const bool native_attention = attention.is_none();
-    TORCH_CHECK(!native_attention || (block_tables.has_value() && seq_lens.has_value()),
+    if (!attention.is_none())
+      return run(std::move(hidden), cos, sin, slots, rows, block_tables, seq_lens, &attention);
+    TORCH_CHECK(block_tables.has_value() && seq_lens.has_value(),
                 "a native-attention step needs block tables and sequence lengths");
+    py::gil_scoped_release released;
+    return run(std::move(hidden), cos, sin, slots, rows, block_tables, seq_lens, nullptr);
+  }
+
+ private:
+  torch::Tensor run(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const torch::Tensor& slots, const c10::optional<torch::Tensor>& rows,
+                    const c10::optional<torch::Tensor>& block_tables,
+                    const c10::optional<torch::Tensor>& seq_lens, const py::object* attention) {
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     torch::Tensor h = std::move(hidden);
     c10::optional<torch::Tensor> residual;
@@ -141,13 +156,13 @@ class DecoderStack {
       torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, kv_heads_, head_dim_});
       torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, kv_heads_, head_dim_});
       torch::Tensor attended;
-      if (native_attention) {
+      if (attention == nullptr) {
         store_kv_(k, v, layer.k_cache, layer.v_cache, slots, rows);
         attended = torch::empty_like(q);
         paged_decode_attention(attended, q, layer.k_cache, layer.v_cache, *block_tables, *seq_lens, scale_);
         attended = attended.reshape({-1, q_size});
       } else {
-        attended = attention(static_cast<int64_t>(i), q, k, v).cast<torch::Tensor>();
+        attended = (*attention)(static_cast<int64_t>(i), q, k, v).cast<torch::Tensor>();
       }
       torch::Tensor out = run_linear(layer.o_proj, attended);
       auto post = rms_norm(out, residual, layer.post_attention_norm, eps_);
@@ -157,7 +172,6 @@ class DecoderStack {
     return rms_norm(h, residual, final_norm_, eps_)[0];
   }
 
- private:
   int64_t heads_, kv_heads_, head_dim_;
   double scale_, eps_;
   torch::Tensor final_norm_;
