@@ -102,7 +102,7 @@ def run_one(url: str, path: Path, lines: int) -> dict:
     for _ in range(200):
         start = time.perf_counter()
         with make_session() as session:
-            summary = batch_object(jobs.get_job(session, job_id=job.id))
+            summary = batch_object(jobs.get_job(session, job_id=job.id)).model_dump(mode="json")
         polls.append(time.perf_counter() - start)
     assert summary["request_counts"]["total"] == lines
 

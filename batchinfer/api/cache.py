@@ -12,23 +12,25 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Hashable
-from typing import Any
+from typing import Generic, TypeVar
 
 from cachetools import TTLCache
 
+V = TypeVar("V")
 
-class PollCache:
+
+class PollCache(Generic[V]):
     """A time-bounded memo (monotonic clock) that asks for one background refresh past half-life."""
 
     def __init__(self, ttl_s: float, max_entries: int = 10_000) -> None:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         # value = (refresh-after time, cached value); ttl_s <= 0 disables the cache (puts are dropped)
-        self._entries: TTLCache[Hashable, tuple[float, Any]] | None = (
+        self._entries: TTLCache[Hashable, tuple[float, V]] | None = (
             TTLCache(maxsize=max_entries, ttl=ttl_s, timer=time.monotonic) if ttl_s > 0 else None)
         self._refreshing: set[Hashable] = set()
 
-    def get(self, key: Hashable) -> Any | None:
+    def get(self, key: Hashable) -> V | None:
         """The value stored under `key` less than ttl_s ago, else None."""
         if self._entries is None:
             return None
@@ -47,7 +49,7 @@ class PollCache:
             self._refreshing.add(key)
             return True
 
-    def put(self, key: Hashable, value: Any) -> None:
+    def put(self, key: Hashable, value: V) -> None:
         """Remember `value` for ttl_s (a no-op when the cache is disabled)."""
         with self._lock:
             self._refreshing.discard(key)

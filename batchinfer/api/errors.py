@@ -1,6 +1,7 @@
 """Every error leaves the API in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
-Routes raise `APIError` (or one of its helpers); FastAPI's own errors are translated here too:
+Routes raise `APIError` (or one of its helpers) or let a store `JobError` through (its field and line are
+data: `param` and the message's `line N:`); FastAPI's own errors are translated here too:
 validation errors become 400 (OpenAI never answers 422), unknown routes 404, and anything unexpected
 a 500 whose message says nothing about the internals (the traceback goes to the log only).
 """
@@ -15,6 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batchinfer.store.errors import JobError, JobNotFound, JobStateError
+from batchinfer.store.quotas import QuotaExceeded
 
 logger = logging.getLogger("batchinfer.api")
 
@@ -137,6 +141,25 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     return _response(400, message, param=param or None, code="invalid_value")
 
 
+def job_error(exc: JobError) -> APIError:
+    """The answer to a store JobError: its field is OpenAI's `param`, its line leads the message.
+
+    QuotaExceeded is a 429 naming the limit, JobNotFound a 404, JobStateError a 400 `invalid_batch_status`,
+    any other a 400 (`invalid_value` when it names a field)."""
+    if isinstance(exc, QuotaExceeded):
+        return APIError(429, exc.located(), code="quota_exceeded")
+    if isinstance(exc, JobNotFound):
+        return APIError(404, exc.located(), param=exc.field, code="not_found")
+    if isinstance(exc, JobStateError):
+        return APIError(400, exc.located(), param=exc.field, code="invalid_batch_status")
+    return APIError(400, exc.located(), param=exc.field, code="invalid_value" if exc.field else None)
+
+
+async def _job_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, JobError)
+    return await _api_error(_request, job_error(exc))
+
+
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return _response(500, INTERNAL_ERROR_MESSAGE, type="server_error")
@@ -145,6 +168,7 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error in OpenAI's shape."""
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(JobError, _job_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected_error)

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import click
-import orjson
 
-from batchinfer.cli.backend import BackendError, backend_for
+from batchinfer.cli.backend import Backend, BackendError, backend_for
 from batchinfer.cli.context import cli_settings, server_option
 from batchinfer.cli.output import (
     EXIT_CANCELLED,
@@ -29,13 +28,14 @@ from batchinfer.cli.output import (
 )
 from batchinfer.cli.progress import DEFAULT_UPDATE_INTERVAL_S, JobProgress
 from batchinfer.cli.result_files import export as _export
+from batchinfer.wire.batch import BatchObject, OperatorBatch
 
 
-def exit_code_for(batch: dict[str, Any]) -> int:
+def exit_code_for(batch: BatchObject) -> int:
     """How a finished job maps to the process exit code (see the module docstring)."""
-    status = batch["status"]
+    status = batch.status
     if status == "completed":
-        return EXIT_PARTIAL if batch["request_counts"]["failed"] else 0
+        return EXIT_PARTIAL if batch.request_counts.failed else 0
     return {"failed": EXIT_FAILED, "cancelled": EXIT_CANCELLED, "expired": EXIT_EXPIRED}.get(status, 0)
 
 
@@ -64,58 +64,57 @@ def _check_window(window: str) -> None:
         _fail(f"--completion-window: {exc}")
 
 
-def _print_batch(batch: dict[str, Any], as_json: bool, *, show_owner: bool = False) -> None:
+def _print_batch(batch: BatchObject, as_json: bool, *, show_owner: bool = False) -> None:
     """One line per batch (its owner named when it is not the CLI's own `local`, or `show_owner`)."""
     from batchinfer.store import LOCAL_OWNER
 
     if as_json:
-        click.echo(orjson.dumps(batch).decode())
+        click.echo(batch.model_dump_json())
         return
-    counts = batch["request_counts"]
-    progress = batch.get("progress") or {}
-    owner = batch.get("owner")
-    line = (f"{batch['id']}  {batch['status']:<11}  {counts['completed']}/{counts['total']} done, "
-            f"{counts['failed']} failed")
+    counts, progress = batch.request_counts, batch.progress
+    owner = batch.owner if isinstance(batch, OperatorBatch) else None
+    line = (f"{batch.id}  {batch.status:<11}  {counts.completed}/{counts.total} done, "
+            f"{counts.failed} failed")
     if owner is not None and (show_owner or owner != LOCAL_OWNER):
         line += f", owner {owner}"
-    if progress.get("tokens_per_second"):
-        line += f", {progress['tokens_per_second']:.1f} tok/s"
-    if progress.get("eta_seconds"):
-        line += f", ETA {progress['eta_seconds']:.0f}s"
-    cache = batch.get("result_cache") or {}  # store/result_cache.py: lines not computed for this job
-    if cache.get("hits") or cache.get("dedups"):
-        line += f", {cache['hits']} from the result cache, {cache['dedups']} copied from identical lines"
+    if progress.tokens_per_second:
+        line += f", {progress.tokens_per_second:.1f} tok/s"
+    if progress.eta_seconds:
+        line += f", ETA {progress.eta_seconds:.0f}s"
+    cache = batch.result_cache  # store/result_cache.py: lines not computed for this job
+    if cache is not None and (cache.hits or cache.dedups):
+        line += f", {cache.hits} from the result cache, {cache.dedups} copied from identical lines"
     click.echo(line)
-    if progress.get("note"):
-        click.echo(f"  note: {progress['note']}")
-    for error in ((batch.get("errors") or {}).get("data") or [])[:20]:
-        message = error["message"] or ""
-        where = f"line {error['line']}: " if error.get("line") and not message.startswith("line ") else ""
+    if progress.note:
+        click.echo(f"  note: {progress.note}")
+    for error in batch.line_errors[:20]:
+        message = error.message or ""
+        where = f"line {error.line}: " if error.line and not message.startswith(f"line {error.line}:") else ""
         click.echo(f"  {where}{message}")
 
 
-def _wait(backend: Any, batch: dict[str, Any], *, timeout: float | None, quiet: bool,
-          update_interval: float = DEFAULT_UPDATE_INTERVAL_S) -> dict[str, Any]:
+def _wait(backend: Backend, batch: BatchObject, *, timeout: float | None, quiet: bool,
+          update_interval: float = DEFAULT_UPDATE_INTERVAL_S) -> BatchObject:
     """Poll until the job ends: a bar on a terminal, else a line every `update_interval` s (progress.py)."""
     from batchinfer.store.models import JOB_TERMINAL_STATUSES  # lazily, like every store import of the CLI
 
-    counts = batch["request_counts"]
+    counts = batch.request_counts
     deadline = time.monotonic() + timeout if timeout else None
-    with JobProgress(total=counts["total"], done=counts["completed"] + counts["failed"],
+    with JobProgress(total=counts.total, done=counts.completed + counts.failed,
                      description="waiting", enabled=not quiet, interval_s=update_interval,
-                     label=batch["id"]) as bar:
-        while batch["status"] not in JOB_TERMINAL_STATUSES:
+                     label=batch.id) as bar:
+        while batch.status not in JOB_TERMINAL_STATUSES:
             if deadline is not None and time.monotonic() > deadline:
-                fail(f"timed out waiting for {batch['id']} ({batch['status']})", code=EXIT_TIMEOUT,
+                fail(f"timed out waiting for {batch.id} ({batch.status})", code=EXIT_TIMEOUT,
                      type="timeout")
             time.sleep(0.5)
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.5)
             try:
-                batch = backend.get(batch["id"], patient=True, within_s=remaining)  # outlasts a restart
+                batch = backend.get(batch.id, patient=True, within_s=remaining)  # outlasts a restart
             except BackendError as exc:
                 if deadline is None or time.monotonic() < deadline:
                     raise
-                fail(f"timed out waiting for {batch['id']} ({batch['status']}; last poll: {exc})",
+                fail(f"timed out waiting for {batch.id} ({batch.status}; last poll: {exc})",
                      code=EXIT_TIMEOUT, type="timeout")
             bar.show(batch)  # its counts and measured progress (tokens so far, ETA from the budgets)
     return batch
@@ -183,22 +182,22 @@ def submit(file: Path, model: str | None, shard_size: int | None, priority: int,
                                completion_window=completion_window, max_total_tokens=max_total_tokens,
                                result_cache=result_cache)
         if quiet and not as_json:
-            click.echo(batch["id"])  # the bare id, first, whatever follows
+            click.echo(batch.id)  # the bare id, first, whatever follows
         if wait:
             if not quiet or as_json:
                 _print_batch(batch, as_json)  # the id first: a wait cut short still says which job it was
             batch = _wait(backend, batch, timeout=timeout, quiet=as_json or quiet,
                           update_interval=update_interval)
             if output is not None:
-                _export(backend, batch["id"], output, errors)
+                _export(backend, batch.id, output, errors)
     except BackendError as exc:
-        _fail(str(exc))
+        fail(str(exc), param=exc.field, line=exc.line)  # a bad option: its field and line as data
     if not quiet or as_json:
         _print_batch(batch, as_json)
-    elif batch["status"] == "failed":  # the why, beside the id, for the person reading stderr
-        for error in ((batch.get("errors") or {}).get("data") or [])[:3]:
-            click.echo(f"error: {error['message']}", err=True)
-    if wait or batch["status"] == "failed":
+    elif batch.status == "failed":  # the why, beside the id, for the person reading stderr
+        for error in batch.line_errors[:3]:
+            click.echo(f"error: {error.message}", err=True)
+    if wait or batch.status == "failed":
         sys.exit(exit_code_for(batch))
 
 
@@ -252,18 +251,19 @@ def results(batch_id: str, output: Path | None, errors: Path | None, as_json: bo
     try:
         backend = backend_for(cli_settings())
         batch = backend.get(batch_id)  # an unknown batch fails here, before any file is touched
-        written, failed = _export(backend, batch["id"], output, errors)
+        written, failed = _export(backend, batch.id, output, errors)
     except BackendError as exc:
         _fail(str(exc))
-    counts = batch["request_counts"]
-    partial = batch["status"] not in JOB_TERMINAL_STATUSES
-    summary = {"id": batch["id"], "status": batch["status"], "partial": partial, "output": output,
-               "results": written, "errors": errors, "error_lines": failed, "request_counts": counts}
+    counts = batch.request_counts
+    partial = batch.status not in JOB_TERMINAL_STATUSES
+    summary = {"id": batch.id, "status": batch.status, "partial": partial, "output": output,
+               "results": written, "errors": errors, "error_lines": failed,
+               "request_counts": counts.model_dump()}
     done = f"wrote {written} results to {output}" + (f", {failed} errors to {errors}" if errors else "")
     emit(summary, done if output is not None else None, err=output is None)
     if partial and not as_json:
-        click.echo(f"note: {batch['id']} is {batch['status']}: this export is partial "
-                   f"({counts['completed'] + counts['failed']} of {counts['total']} requests done); "
+        click.echo(f"note: {batch.id} is {batch.status}: this export is partial "
+                   f"({counts.completed + counts.failed} of {counts.total} requests done); "
                    "run `batchinfer results` again when it has ended", err=True)
 
 

@@ -83,22 +83,29 @@ def stdout_to_stderr() -> None:
     os.dup2(2, 1)
 
 
-def error_object(message: str, *, exit_code: int, type: str = "error") -> dict[str, Any]:  # noqa: A002
-    """The JSON shape of an error under --json."""
-    return {"error": {"message": message, "type": type}, "exit_code": exit_code}
+def error_object(message: str, *, exit_code: int, type: str = "error",  # noqa: A002
+                 param: str | None = None, line: int | None = None) -> dict[str, Any]:
+    """The JSON shape of an error under --json (`param`, `line`: the field and input line at fault)."""
+    error: dict[str, Any] = {"message": message, "type": type}
+    if param is not None or line is not None:
+        error.update(param=param, line=line)
+    return {"error": error, "exit_code": exit_code}
 
 
-def show_error(message: str, *, exit_code: int, type: str = "error", as_json: bool | None = None) -> None:  # noqa: A002
+def show_error(message: str, *, exit_code: int, type: str = "error", as_json: bool | None = None,  # noqa: A002
+               param: str | None = None, line: int | None = None) -> None:
     """Print an error on stderr: one `error:` line, or one JSON object under --json."""
     if json_mode() if as_json is None else as_json:
-        click.echo(dumps(error_object(message, exit_code=exit_code, type=type)), err=True)
+        click.echo(dumps(error_object(message, exit_code=exit_code, type=type, param=param, line=line)),
+                   err=True)
     else:
         click.echo(f"error: {message}", err=True)
 
 
-def fail(message: str, *, code: int = EXIT_ERROR, type: str = "error") -> NoReturn:  # noqa: A002
-    """Print one error and exit with `code`."""
-    show_error(message, exit_code=code, type=type)
+def fail(message: str, *, code: int = EXIT_ERROR, type: str = "error",  # noqa: A002
+         param: str | None = None, line: int | None = None) -> NoReturn:
+    """Print one error and exit with `code` (`param`, `line`: the field and input line at fault)."""
+    show_error(message, exit_code=code, type=type, param=param, line=line)
     sys.exit(code)
 
 

@@ -15,11 +15,14 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+if TYPE_CHECKING:
+    from batchinfer.wire.batch import BatchObject
 
 DEFAULT_UPDATE_INTERVAL_S = 30.0
 FOLLOW_INTERVAL_S = 1.0  # how often `run` re-reads its batch's measured progress
@@ -99,19 +102,19 @@ class JobProgress:
             self.tokens_per_second = tokens_per_second
             self._update()
 
-    def show(self, batch: dict[str, Any]) -> None:
+    def show(self, batch: BatchObject) -> None:
         """Set the figures of a batch object: counts, generated tokens, its measured tokens/s and ETA."""
-        counts, progress = batch["request_counts"], batch.get("progress") or {}
-        tokens = progress.get("generated_tokens")
-        self.set(done=counts["completed"] + counts["failed"], total=counts["total"],
-                 tokens=batch["usage"]["output_tokens"] if tokens is None else tokens,
-                 eta_seconds=progress.get("eta_seconds"), tokens_per_second=progress.get("tokens_per_second"),
-                 status=batch["status"])
-        self._requests_only = not self.tokens and bool(progress.get("input_tokens_per_second"))
+        counts, progress = batch.request_counts, batch.progress
+        tokens = progress.generated_tokens
+        self.set(done=counts.completed + counts.failed, total=counts.total,
+                 tokens=batch.usage.output_tokens if tokens is None else tokens,
+                 eta_seconds=progress.eta_seconds, tokens_per_second=progress.tokens_per_second,
+                 status=batch.status)
+        self._requests_only = not self.tokens and bool(progress.input_tokens_per_second)
         if self._requests_only:  # an embeddings batch generates nothing: show the inputs it read
-            self.tokens_per_second = progress.get("input_tokens_per_second")
+            self.tokens_per_second = progress.input_tokens_per_second
 
-    def follow(self, fetch: Callable[[], dict[str, Any]], *, interval_s: float = FOLLOW_INTERVAL_S) -> None:
+    def follow(self, fetch: Callable[[], BatchObject], *, interval_s: float = FOLLOW_INTERVAL_S) -> None:
         """Re-read the batch object (`fetch`) every `interval_s` on a daemon thread until the bar closes."""
         def loop() -> None:
             while not self._stop_following.wait(interval_s):

@@ -15,11 +15,16 @@ from __future__ import annotations
 import builtins  # `list` is a method name in the clients below
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_exponential_jitter
 
+from batchinfer.wire.batch import BatchList, BatchObject
+from batchinfer.wire.file import FileObject
+
+_M = TypeVar("_M", bound=BaseModel)
 DEFAULT_TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 UPLOAD_TIMEOUT = httpx.Timeout(None, connect=10.0)  # large files take as long as they take
 MAX_PAGE = 100  # the server's largest page of batches
@@ -99,81 +104,94 @@ class RemoteClient:
                 _raise_for_error(response, transient=replayable)
         return response
 
-    def upload(self, path: str | Path, *, purpose: str = "batch") -> dict[str, Any]:
+    def _object(self, model: type[_M], response: httpx.Response) -> _M:
+        """The response's JSON as `model` (the one typed definition, batchinfer.wire); RemoteError when the
+        server answered something else."""
+        try:
+            return model.model_validate_json(response.content)
+        except ValidationError as exc:
+            raise RemoteError(f"{response.request.url} answered no {model.__name__}: "
+                              f"{exc.errors()[0]['msg']}", status_code=response.status_code) from None
+
+    def upload(self, path: str | Path, *, purpose: str = "batch") -> FileObject:
         """Upload a JSONL file (streamed from disk); returns the File object."""
         path = Path(path)
         with path.open("rb") as fh:
             files = {"file": (path.name, fh, "application/jsonl")}
-            return self._request("POST", "/files", data={"purpose": purpose}, files=files,
-                                 timeout=UPLOAD_TIMEOUT, replayable=False).json()
+            answer = self._request("POST", "/files", data={"purpose": purpose}, files=files,
+                                   timeout=UPLOAD_TIMEOUT, replayable=False)
+            return self._object(FileObject, answer)
 
     def create_batch(self, input_file_id: str, *, endpoint: str | None = None, completion_window: str = "24h",
                      metadata: dict[str, str] | None = None, model: str | None = None,
                      idempotency_key: str | None = None, on_invalid: str | None = None,
                      priority: int | None = None, shard_size: int | None = None,
-                     max_total_tokens: int | None = None, result_cache: str | None = None) -> dict[str, Any]:
+                     max_total_tokens: int | None = None, result_cache: str | None = None) -> BatchObject:
         """Create a batch from an uploaded file; returns the Batch object.
 
         With `idempotency_key` the server returns the batch it first created under that key (a retried
         nightly submit does not run twice), so the create is retried like a read."""
-        body: dict[str, Any] = {"input_file_id": input_file_id, "endpoint": endpoint,
+        body: dict[str, object] = {"input_file_id": input_file_id, "endpoint": endpoint,
                                 "completion_window": completion_window}  # endpoint None: lines may mix both
         extensions = {"metadata": metadata or None, "model": model or None, "on_invalid": on_invalid,
                       "priority": priority, "shard_size": shard_size, "max_total_tokens": max_total_tokens,
                       "result_cache": result_cache}
         body.update({key: value for key, value in extensions.items() if value is not None})
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        return self._request("POST", "/batches", json=body, headers=headers,
-                             replayable=idempotency_key is not None).json()
+        return self._object(BatchObject, self._request("POST", "/batches", json=body, headers=headers,
+                                                       replayable=idempotency_key is not None))
 
     def submit(self, path: str | Path, *, model: str | None = None, metadata: dict[str, str] | None = None,
                completion_window: str = "24h", endpoint: str | None = None,
                idempotency_key: str | None = None, on_invalid: str | None = None,
                priority: int | None = None, shard_size: int | None = None,
-               max_total_tokens: int | None = None, result_cache: str | None = None) -> dict[str, Any]:
+               max_total_tokens: int | None = None, result_cache: str | None = None) -> BatchObject:
         """Upload `path` and create a batch from it; returns the Batch object.
 
         Without `endpoint` each line may use either endpoint (as `batchinfer submit` does locally)."""
         uploaded = self.upload(path)
-        return self.create_batch(uploaded["id"], endpoint=endpoint,
+        return self.create_batch(uploaded.id, endpoint=endpoint,
                                  completion_window=completion_window, metadata=metadata, model=model,
                                  idempotency_key=idempotency_key, on_invalid=on_invalid, priority=priority,
                                  shard_size=shard_size, max_total_tokens=max_total_tokens,
                                  result_cache=result_cache)
 
-    def get(self, batch_id: str, *, retry_seconds: float | None = None) -> dict[str, Any]:
+    def get(self, batch_id: str, *, retry_seconds: float | None = None) -> BatchObject:
         """The Batch object of `batch_id` (retried for `retry_seconds`, default the client's)."""
-        return self._request("GET", f"/batches/{batch_id}", retry_seconds=retry_seconds).json()
+        answer = self._request("GET", f"/batches/{batch_id}", retry_seconds=retry_seconds)
+        return self._object(BatchObject, answer)
 
-    def list(self, limit: int = 20, after: str | None = None) -> dict[str, Any]:
+    def list(self, limit: int = 20, after: str | None = None) -> BatchList:
         """Up to `limit` batches, newest first, as one OpenAI list object (pages of 100 fetched as needed)."""
-        data: list[dict[str, Any]] = []
-        page: dict[str, Any] = {"has_more": True}
-        while len(data) < limit and page["has_more"]:
-            params: dict[str, Any] = {"limit": min(MAX_PAGE, limit - len(data))}
+        data: list[BatchObject] = []
+        page = BatchList(data=[], has_more=True)
+        while len(data) < limit and page.has_more:
+            params: dict[str, str | int] = {"limit": min(MAX_PAGE, limit - len(data))}
             if after:
                 params["after"] = after
-            page = self._request("GET", "/batches", params=params).json()
-            data.extend(page["data"])
-            after = page.get("last_id")
-            if not page["data"]:
+            page = self._object(BatchList, self._request("GET", "/batches", params=params))
+            data.extend(page.data)
+            after = page.last_id
+            if not page.data:
                 break
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": bool(page.get("has_more"))}
+        return BatchList(data=data, first_id=data[0].id if data else None,
+                         last_id=data[-1].id if data else None, has_more=page.has_more)
 
-    def cancel(self, batch_id: str) -> dict[str, Any]:
+    def cancel(self, batch_id: str) -> BatchObject:
         """Ask the server to cancel `batch_id`; returns the Batch object (cancelling or cancelled)."""
-        return self._request("POST", f"/batches/{batch_id}/cancel", replayable=True).json()  # idempotent
+        return self._object(BatchObject, self._request("POST", f"/batches/{batch_id}/cancel",
+                                                       replayable=True))  # idempotent
 
     def retry(self, batch_id: str, *, only: builtins.list[str] | None = None,
-              include_invalid: bool = False) -> dict[str, Any]:
+              include_invalid: bool = False) -> BatchObject:
         """A child batch of `batch_id`'s failed / expired / cancelled lines; returns its Batch object."""
         body = {"only": only, "include_invalid": include_invalid}
-        return self._request("POST", f"/batches/{batch_id}/retry", json=body, replayable=False).json()
+        return self._object(BatchObject, self._request("POST", f"/batches/{batch_id}/retry", json=body,
+                                                       replayable=False))
 
-    def file(self, file_id: str) -> dict[str, Any]:
+    def file(self, file_id: str) -> FileObject:
         """The File object of `file_id`."""
-        return self._request("GET", f"/files/{file_id}").json()
+        return self._object(FileObject, self._request("GET", f"/files/{file_id}"))
 
     def content(self, file_id: str) -> Iterator[bytes]:
         """The lines of a file's content (each with its trailing newline), streamed; opening the stream is

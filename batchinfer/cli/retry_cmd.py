@@ -39,12 +39,11 @@ def retry(batch_id: str, only: str | None, include_invalid: bool, as_json: bool)
         child = backend_for(cli_settings()).retry(batch_id, only=kinds, include_invalid=include_invalid)
     except BackendError as exc:
         fail(str(exc))
-    info = child.get("retry") or {}
-    left_out = info.get("left_out") or []
-    lines = info.get("lines", child["request_counts"]["total"])
-    text = f"{child['id']}: retrying {lines} line(s) of {batch_id}"
+    left_out = child.retry.left_out if child.retry is not None else []
+    lines = child.retry.lines if child.retry is not None else child.request_counts.total
+    text = f"{child.id}: retrying {lines} line(s) of {batch_id}"
     if left_out:
-        named = ", ".join(f"line {item['line']} ({item['code']})" for item in left_out[:10])
+        named = ", ".join(f"line {item.line} ({item.code})" for item in left_out[:10])
         more = f" and {len(left_out) - 10} more" if len(left_out) > 10 else ""
         text += f"; left out (invalid input, --include-invalid retries them): {named}{more}"
-    emit(child, text)
+    emit(child.model_dump(mode="json"), text)

@@ -104,40 +104,40 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
                                adapter_names=frozenset(settings.lora_modules))
     except BackendError as exc:
         fail(str(exc))
-    if batch["status"] == "in_progress":
+    if batch.status == "in_progress":
         if not as_json:
-            click.echo(f"{batch['id']}: {batch['request_counts']['total']} requests", err=True)
+            click.echo(f"{batch.id}: {batch.request_counts.total} requests", err=True)
         try:
             # The engine loads on the first line the result cache cannot serve: none, no model loaded.
             runner = make_runner(model=model, settings=settings, lazy=True, **overrides)
         except Exception as exc:  # e.g. unreadable weights: the job fails, with the reason, not in_progress
             logger.debug("the engine could not start", exc_info=True)
             message = _startup_failure(exc)
-            backend.fail_unstarted(batch["id"], message)
-            fail(f"{batch['id']} failed: {message}", code=EXIT_FAILED)
-        counts = batch["request_counts"]
-        with JobProgress(total=counts["total"], done=counts["completed"] + counts["failed"],
-                         enabled=not as_json, label=batch["id"]) as bar:
+            backend.fail_unstarted(batch.id, message)
+            fail(f"{batch.id} failed: {message}", code=EXIT_FAILED)
+        counts = batch.request_counts
+        with JobProgress(total=counts.total, done=counts.completed + counts.failed,
+                         enabled=not as_json, label=batch.id) as bar:
             if not as_json:  # tokens/s and ETA as `status` shows them, from the runner's heartbeats
-                bar.follow(lambda: backend.get(batch["id"]))
+                bar.follow(lambda: backend.get(batch.id))
             try:
-                run_job(job_id=int(batch["id"].removeprefix("batch_")), runner=runner,
+                run_job(job_id=int(batch.id.removeprefix("batch_")), runner=runner,
                         on_progress=bar.advance)
             except EngineStartError as exc:  # built at its first miss, and it could not start
                 logger.debug("the engine could not start", exc_info=True)
                 runner.hand_back()
                 message = _startup_failure(exc.__cause__ or exc)
-                backend.fail_unstarted(batch["id"], message)
-                fail(f"{batch['id']} failed: {message}", code=EXIT_FAILED)
+                backend.fail_unstarted(batch.id, message)
+                fail(f"{batch.id} failed: {message}", code=EXIT_FAILED)
             finally:  # no longer a live worker once its job is done (`workers`, the dashboard)
                 retire_runner(runner)
-        batch = backend.get(batch["id"])
+        batch = backend.get(batch.id)
     if errors_in_output:
-        written, failed, errors = write_lines(backend.results(batch["id"], "all"), output), 0, None
+        written, failed, errors = write_lines(backend.results(batch.id, "all"), output), 0, None
     else:
         errors = errors or default_errors_path(output)
-        written = write_lines(backend.results(batch["id"], "output"), output)
-        failed = write_error_lines(backend.results(batch["id"], "errors"), errors)  # none: no file
+        written = write_lines(backend.results(batch.id, "output"), output)
+        failed = write_error_lines(backend.results(batch.id, "errors"), errors)  # none: no file
     if as_json:
         click.echo(dumps(batch))
     else:

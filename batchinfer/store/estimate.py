@@ -24,7 +24,6 @@ from datetime import datetime
 from typing import Any, BinaryIO
 
 import orjson
-from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -33,6 +32,7 @@ from batchinfer.store.db import end_transaction
 from batchinfer.store.ingest import MAX_LISTED_ERRORS, IngestLimits, iter_lines
 from batchinfer.store.models import Job, JobStatus, Request, RequestStatus, Shard, request_id_for, utcnow
 from batchinfer.store.workers import list_workers
+from batchinfer.wire.batch import Estimate  # the object is part of the Batch object: defined with it
 from batchinfer.wire.input_line import parse_line
 from batchinfer.wire.request import Endpoint, LineError, NormalizedRequest
 
@@ -54,39 +54,6 @@ class FileRead:
     requests: list[NormalizedRequest] = field(default_factory=list)
     invalid: int = 0
     errors: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_LISTED_ERRORS
-
-
-class LineErrorItem(BaseModel):
-    """A line error, as ingest records it."""
-
-    code: str | None = None
-    line: int | None = None
-    message: str | None = None
-    param: str | None = None
-
-
-class Estimate(BaseModel):
-    """What a file will cost on this deployment (README "Sharing the workers"): `batchinfer estimate`'s
-    figures, POST /v1/batches/estimate's object, and a batch's `estimate` made at submit (from_counts)."""
-
-    model_config = ConfigDict(protected_namespaces=())
-
-    model: str
-    requests: int
-    invalid_lines: int
-    prompt_tokens: int | None  # None at submit: ingest does not tokenize
-    cached_prompt_tokens: int | None
-    max_output_tokens: int
-    expected_output_tokens: int
-    expected_seconds: float | None
-    live_workers: int
-    basis: list[str]
-    result_cache_hits: int | None = None  # None: unknown (no recorded identity), not read, or at submit
-    errors: list[LineErrorItem] = []
-
-    def as_dict(self) -> dict[str, Any]:
-        """The JSON object of `estimate --json`."""
-        return self.model_dump()
 
 
 @dataclass(frozen=True)

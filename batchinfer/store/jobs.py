@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import BinaryIO, Literal, TypeVar
 
 from sqlalchemy import ColumnElement, Engine, delete, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
@@ -40,6 +42,7 @@ from batchinfer.store.models import (
 from batchinfer.store.quotas import charge_storage
 from batchinfer.store.result_cache import check_mode as check_result_cache_mode
 from batchinfer.store.transitions import finalize_if_done, lock_job, stop_pending
+from batchinfer.wire.batch import BatchErrorItem
 from batchinfer.wire.input_line import validate_metadata
 from batchinfer.wire.request import URL_TO_ENDPOINT
 
@@ -53,42 +56,60 @@ _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_COMPLETION_WINDOW = timedelta(days=30)
 """The longest completion_window accepted: a job that may wait longer is better resubmitted later."""
 MAX_COMPLETION_WINDOW_TEXT = "30d"  # MAX_COMPLETION_WINDOW as a window string, for messages
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
-def parse_completion_window(window: str) -> timedelta:
-    """'24h' -> timedelta(hours=24); accepts <n>s, <n>m, <n>h, <n>d up to MAX_COMPLETION_WINDOW."""
+@dataclass(frozen=True, slots=True)
+class CompletionWindow:
+    """A checked completion_window: its text as stored ('0024h ' -> '24h') and its length."""
+
+    text: str
+    delta: timedelta
+
+
+def parse_completion_window(window: str) -> CompletionWindow:
+    """'24h' -> CompletionWindow('24h', 24 hours); accepts <n>s, <n>m, <n>h, <n>d up to MAX_COMPLETION_WINDOW.
+
+    JobError naming the field `completion_window` otherwise. A submit parses its window here once.
+    """
     match = _WINDOW.match(window.strip())
     if not match or int(match.group(1)) <= 0:
-        raise JobError(f"completion_window {window[:32]!r} is not valid; use e.g. '24h' (units s, m, h, d)")
+        raise JobError(f"completion_window {window[:32]!r} is not valid; use e.g. '24h' (units s, m, h, d)",
+                       field="completion_window")
     amount, unit = int(match.group(1)), match.group(2)
     if amount * _UNIT_SECONDS[unit] > MAX_COMPLETION_WINDOW.total_seconds():  # before timedelta can overflow
         raise JobError(f"completion_window {window.strip()[:32]!r} is longer than the maximum of "
                        f"{MAX_COMPLETION_WINDOW_TEXT}; use a window up to {MAX_COMPLETION_WINDOW_TEXT} "
-                       "(e.g. '24h')")
-    return timedelta(**{_WINDOW_UNITS[unit]: amount})
+                       "(e.g. '24h')", field="completion_window")
+    return CompletionWindow(text=f"{amount}{unit}", delta=timedelta(**{_WINDOW_UNITS[unit]: amount}))
 
 
-def canonical_completion_window(window: str) -> str:
-    """A valid window as stored: '0024h ' -> '24h' (fits the column whatever zeros or spaces it came with)."""
-    parse_completion_window(window)
-    match = _WINDOW.match(window.strip())
-    assert match is not None
-    return f"{int(match.group(1))}{match.group(2)}"
-
-
-def check_stored_text(value: str, *, field: str, column: ColumnElement[Any]) -> None:
+def check_stored_text(value: str, *, field: str, column: ColumnElement[str]) -> None:
     """JobError naming `field` unless `value` can be stored in `column` as given (both databases).
 
     PostgreSQL text cannot hold the NUL character and a VARCHAR(n) refuses longer values: either would
     otherwise fail the insert with a database error instead of a message about the field.
     """
     if not value:
-        raise JobError(f"{field} must not be empty")
+        raise JobError(f"{field} must not be empty", field=field)
     if "\x00" in value:
-        raise JobError(f"{field} {value[:64]!r} contains the NUL character (\\u0000); remove it")
+        raise JobError(f"{field} {value[:64]!r} contains the NUL character (\\u0000); remove it", field=field)
     max_chars = getattr(column.type, "length", None)
     if max_chars is not None and len(value) > max_chars:
-        raise JobError(f"{field} is {len(value)} characters long; the limit is {max_chars}")
+        raise JobError(f"{field} is {len(value)} characters long; the limit is {max_chars}", field=field)
+
+
+def _field_checked(field: str, check: Callable[[_T], _R], value: _T) -> _R:
+    """check(value), its JobError or ValueError naming `field` (the checks of other modules know no field)."""
+    try:
+        return check(value)
+    except JobError as exc:
+        if exc.field is not None:
+            raise
+        raise JobError(exc.message, field=field, line=exc.line) from None
+    except ValueError as exc:
+        raise JobError(str(exc), field=field) from None
 
 
 def submit_job(
@@ -130,21 +151,20 @@ def submit_job(
     if (path is None) == (stream is None):
         raise JobError("give exactly one of path= or stream=")
     if on_invalid not in ("skip", "fail"):
-        raise JobError(f"on_invalid must be 'skip' or 'fail', got {on_invalid!r}")
+        raise JobError(f"on_invalid must be 'skip' or 'fail', got {on_invalid!r}", field="on_invalid")
     if endpoint is not None and endpoint not in URL_TO_ENDPOINT:
-        raise JobError(f"endpoint {endpoint!r} is not supported; use one of {sorted(URL_TO_ENDPOINT)}")
+        raise JobError(f"Unsupported endpoint {endpoint[:64]!r}: use one of "
+                       f"{', '.join(sorted(URL_TO_ENDPOINT))}", field="endpoint")
     shard_size = shard_size or settings.shard_size
     if shard_size < 1:
-        raise JobError(f"shard_size must be >= 1, got {shard_size}")
+        raise JobError(f"shard_size must be >= 1, got {shard_size}", field="shard_size")
     limits = limits or IngestLimits.from_settings(settings, model)
-    try:
-        metadata = validate_metadata(metadata, max_bytes=limits.max_metadata_bytes)
-    except ValueError as exc:
-        raise JobError(str(exc)) from None
-    window = canonical_completion_window(completion_window or settings.completion_window)
-    result_cache = check_result_cache_mode(result_cache or settings.result_cache)
-    window_delta = parse_completion_window(window)
-    max_total_tokens = check_budget(max_total_tokens)  # enforced as results are written (store.budgets)
+    metadata = _field_checked("metadata", partial(validate_metadata, max_bytes=limits.max_metadata_bytes),
+                              metadata)
+    window = parse_completion_window(completion_window or settings.completion_window)
+    result_cache = _field_checked("result_cache", check_result_cache_mode,
+                                  result_cache or settings.result_cache)
+    max_total_tokens = _field_checked("max_total_tokens", check_budget, max_total_tokens)  # store.budgets
     check_stored_text(model, field="model", column=Job.__table__.c.model)
     if idempotency_key is not None:
         check_stored_text(idempotency_key, field="idempotency_key", column=Job.__table__.c.idempotency_key)
@@ -158,8 +178,8 @@ def submit_job(
     ingest_owner = new_ingest_owner()
     job = Job(owner=owner, model=model, endpoint=endpoint, status=JobStatus.VALIDATING,
               input_file_id=input_file_id, input_path=str(path) if path is not None else None,
-              completion_window=window, priority=priority, shard_size=shard_size, on_invalid=on_invalid,
-              meta=metadata, idempotency_key=idempotency_key, created_at=now, expires_at=now + window_delta,
+              completion_window=window.text, priority=priority, shard_size=shard_size, on_invalid=on_invalid,
+              meta=metadata, idempotency_key=idempotency_key, created_at=now, expires_at=now + window.delta,
               max_total_tokens=max_total_tokens,
               output_expires_after=output_expires_after, result_cache=result_cache,
               ingest_owner=ingest_owner,
@@ -192,8 +212,7 @@ def submit_job(
             session.execute(delete(Request).where(Request.job_id == job.id))
     except Exception as exc:
         session.rollback()
-        _fail_job(session, job.id, [{"code": "ingest_error", "message": f"ingest stopped: {exc!r}",
-                                     "line": None, "param": None}])
+        _fail_job(session, job.id, [BatchErrorItem(code="ingest_error", message=f"ingest stopped: {exc!r}")])
         raise
     finally:
         if file is not None:
@@ -233,8 +252,8 @@ def _ingest(session: Session, job: Job, stream: BinaryIO, limits: IngestLimits, 
         result.fatal = (f"{result.invalid} invalid line(s) and on_invalid='fail'; fix them or use "
                         "on_invalid='skip'")
     if result.fatal is not None:
-        errors = [{"code": "invalid_file", "message": result.fatal, "line": None, "param": None},
-                  *result.errors]
+        errors = [BatchErrorItem(code="invalid_file", message=result.fatal),
+                  *(BatchErrorItem.model_validate(error) for error in result.errors)]
         _fail_job(session, job.id, errors, num_errors=result.invalid)
         return
     estimate = _submit_estimate(session, job, result, settings)
@@ -271,14 +290,15 @@ def _submit_estimate(session: Session, job: Job, result: IngestResult, settings:
         return None
 
 
-def _fail_job(session: Session, job_id: int, errors: list[dict[str, Any]],
+def _fail_job(session: Session, job_id: int, errors: list[BatchErrorItem],
               num_errors: int | None = None) -> None:
     """Mark a job failed, dropping whatever requests ingest had written (their bytes: the owner's again)."""
     with write_transaction(session):
         session.execute(delete(Request).where(Request.job_id == job_id))
         held = session.execute(select(Job.owner, Job.request_bytes).where(Job.id == job_id)).first()
         session.execute(update(Job).where(Job.id == job_id).values(
-            status=JobStatus.FAILED, failed_at=utcnow(), errors=errors, request_bytes=0,
+            status=JobStatus.FAILED, failed_at=utcnow(), errors=[error.model_dump() for error in errors],
+            request_bytes=0,
             num_errors=len(errors) if num_errors is None else num_errors))
         if held is not None:
             charge_storage(session, owner=held[0], delta=-held[1])
@@ -292,7 +312,7 @@ def fail_unstarted_job(session: Session, *, job_id: int, code: str, message: str
     with write_transaction(session):
         session.execute(update(Shard).where(Shard.job_id == job_id, Shard.status == ShardStatus.AVAILABLE)
                         .values(status=ShardStatus.CANCELLED, cancelled_at=utcnow()))
-    _fail_job(session, job_id, [{"code": code, "message": message, "line": None, "param": None}])
+    _fail_job(session, job_id, [BatchErrorItem(code=code, message=message)])
 
 
 def get_job(session: Session, *, job_id: int, owner: str | None = None) -> Job | None:

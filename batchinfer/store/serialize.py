@@ -14,7 +14,7 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Literal, overload
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -23,6 +23,18 @@ from batchinfer.store.models import JOB_TERMINAL_STATUSES, File, Job, JobStatus
 from batchinfer.store.progress import InflightReport, estimate, inflight_by_job
 from batchinfer.store.timeline import first_claim, first_claims, job_end
 from batchinfer.store.workers import served_models
+from batchinfer.wire.batch import (
+    BatchErrorItem,
+    BatchErrors,
+    BatchObject,
+    BatchProgress,
+    Estimate,
+    InputTokensDetails,
+    RequestCounts,
+    ResultCacheCounts,
+    Usage,
+)
+from batchinfer.wire.file import FileObject
 
 OUTPUT_FILE_PREFIX = "file-out-"
 ERROR_FILE_PREFIX = "file-err-"
@@ -72,6 +84,12 @@ def error_file_id(job: Job) -> str | None:
     return None
 
 
+@overload
+def epoch(value: datetime) -> int: ...
+@overload
+def epoch(value: None) -> None: ...
+@overload
+def epoch(value: datetime | None) -> int | None: ...
 def epoch(value: datetime | None) -> int | None:
     """Unix seconds of a timestamp (None stays None)."""
     return int(value.timestamp()) if value is not None else None
@@ -90,7 +108,7 @@ def waiting_note(job: Job, served_models: Collection[str]) -> str | None:
 
 
 def _progress(job: Job, now: datetime, note: str | None, started_at: datetime | None,
-              inflight: InflightReport | None) -> dict[str, Any]:
+              inflight: InflightReport | None) -> BatchProgress:
     """Fraction done, and the throughput and ETA measured in tokens from the first claim on (store.progress).
 
     The time a job waited for a worker or a model load is no throughput, so the clock starts at the first
@@ -113,19 +131,17 @@ def _progress(job: Job, now: datetime, note: str | None, started_at: datetime | 
     measured = estimate(total=total, done=done, worker_done=run_done, finished_tokens=job.completion_tokens,
                         inflight=inflight or InflightReport(), elapsed_s=elapsed,
                         running=job.status == JobStatus.IN_PROGRESS)
-    progress: dict[str, Any] = {
-        "fraction": round(fraction, 4), "tokens_per_second": measured.tokens_per_second,
-        "requests_per_second": requests_per_second, "eta_seconds": measured.eta_seconds,
-        "started_at": epoch(started_at), "generated_tokens": measured.generated_tokens,
-        "remaining_tokens": measured.remaining_tokens, "input_tokens_per_second": input_tokens_per_second}
-    progress["at_risk"] = at_risk(job, now, measured.eta_seconds)
-    if note is None and progress["at_risk"]:
+    risky = at_risk(job, now, measured.eta_seconds)
+    if note is None and risky:
         note = (f"at risk: expected to finish in {measured.eta_seconds:.0f} s, after its deadline "
                 f"{job.expires_at:%Y-%m-%d %H:%M:%S} UTC (created_at + completion_window "
                 f"{job.completion_window})")
-    if note is not None:
-        progress["note"] = note
-    return progress
+    return BatchProgress(
+        fraction=round(fraction, 4), tokens_per_second=measured.tokens_per_second,
+        requests_per_second=requests_per_second, eta_seconds=measured.eta_seconds,
+        started_at=epoch(started_at), generated_tokens=measured.generated_tokens,
+        remaining_tokens=measured.remaining_tokens, input_tokens_per_second=input_tokens_per_second,
+        at_risk=risky, note=note)
 
 
 def at_risk(job: Job, now: datetime, eta_seconds: float | None) -> bool:
@@ -136,8 +152,7 @@ def at_risk(job: Job, now: datetime, eta_seconds: float | None) -> bool:
 
 
 def batch_object(job: Job, *, now: datetime | None = None, served_models: Collection[str] | None = None,
-                 started_at: datetime | None = None,
-                 inflight: InflightReport | None = None) -> dict[str, Any]:
+                 started_at: datetime | None = None, inflight: InflightReport | None = None) -> BatchObject:
     """The OpenAI Batch object of a job, plus the `progress` extension (ignored by OpenAI clients).
 
     With `served_models` (store.workers.served_models) a job no live worker can run says so in
@@ -147,58 +162,44 @@ def batch_object(job: Job, *, now: datetime | None = None, served_models: Collec
     """
     now = now or datetime.now(UTC)
     errors = None
-    if job.errors:
-        errors = {
-            "object": "list",
-            "data": [
-                {"code": e.get("code"), "line": e.get("line"), "message": e.get("message"),
-                 "param": e.get("param")}
-                for e in job.errors
-            ],
-        }
-    return {
-        "id": job.batch_id,
-        "object": "batch",
-        "endpoint": job.endpoint,  # None: created without one (CLI), each line may use either endpoint
-        "model": job.model,
-        "errors": errors,
-        "input_file_id": f"file-{job.input_file_id}" if job.input_file_id is not None else None,
-        "completion_window": job.completion_window,
-        "status": str(job.status),
-        "output_file_id": output_file_id(job),
-        "error_file_id": error_file_id(job),
-        "created_at": epoch(job.created_at),
-        "in_progress_at": epoch(job.in_progress_at),
-        "expires_at": epoch(job.expires_at),
-        "finalizing_at": epoch(job.finalizing_at),
-        "completed_at": epoch(job.completed_at),
-        "failed_at": epoch(job.failed_at),
-        "expired_at": epoch(job.expired_at),
-        "cancelling_at": epoch(job.cancelling_at),
-        "cancelled_at": epoch(job.cancelled_at),
-        "request_counts": {
-            "total": job.total_requests,
-            "completed": job.completed_requests,
-            "failed": job.failed_requests,
-        },
-        "metadata": job.meta or None,
-        "usage": {
-            "input_tokens": job.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": job.cached_tokens},
-            "output_tokens": job.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": job.prompt_tokens + job.completion_tokens,
-        },
-        "max_total_tokens": job.max_total_tokens,  # extension: the token budget (None: none), store.budgets
-        "estimate": job.estimate,  # extension: the estimate made at submit (store.estimate.from_counts)
-        "progress": _progress(job, now, waiting_note(job, served_models) if served_models is not None
-                              else None, started_at, inflight),
-        "result_cache": {"mode": job.result_cache or "use", "hits": job.result_cache_hits or 0,
-                         "dedups": job.result_cache_dedups or 0},  # store/result_cache.py
-    }
+    if job.errors:  # the JSON column's [{code, message, line, param}] (ingest's line errors)
+        errors = BatchErrors(data=[BatchErrorItem.model_validate(error) for error in job.errors])
+    note = waiting_note(job, served_models) if served_models is not None else None
+    return BatchObject(
+        id=job.batch_id,
+        endpoint=job.endpoint,  # None: created without one (CLI), each line may use either endpoint
+        model=job.model,
+        errors=errors,
+        input_file_id=f"file-{job.input_file_id}" if job.input_file_id is not None else None,
+        completion_window=job.completion_window,
+        status=JobStatus(job.status),
+        output_file_id=output_file_id(job),
+        error_file_id=error_file_id(job),
+        created_at=epoch(job.created_at),
+        in_progress_at=epoch(job.in_progress_at),
+        expires_at=epoch(job.expires_at),
+        finalizing_at=epoch(job.finalizing_at),
+        completed_at=epoch(job.completed_at),
+        failed_at=epoch(job.failed_at),
+        expired_at=epoch(job.expired_at),
+        cancelling_at=epoch(job.cancelling_at),
+        cancelled_at=epoch(job.cancelled_at),
+        request_counts=RequestCounts(total=job.total_requests, completed=job.completed_requests,
+                                     failed=job.failed_requests),
+        metadata=job.meta or None,
+        usage=Usage(input_tokens=job.prompt_tokens,
+                    input_tokens_details=InputTokensDetails(cached_tokens=job.cached_tokens),
+                    output_tokens=job.completion_tokens,
+                    total_tokens=job.prompt_tokens + job.completion_tokens),
+        max_total_tokens=job.max_total_tokens,  # the token budget (None: none), store.budgets
+        estimate=Estimate.model_validate(job.estimate) if job.estimate else None,  # made at submit
+        progress=_progress(job, now, note, started_at, inflight),
+        result_cache=ResultCacheCounts(mode=job.result_cache or "use", hits=job.result_cache_hits or 0,
+                                       dedups=job.result_cache_dedups or 0),  # store/result_cache.py
+    )
 
 
-def current_batch_object(session: Session, job: Job) -> dict[str, Any]:
+def current_batch_object(session: Session, job: Job) -> BatchObject:
     """batch_object plus what only the database can tell now: `progress.note` when no live worker serves
     an in-progress job's model (one small read of the workers table, only for in-progress jobs), and the
     first claim of its shards, where throughput and ETA are measured from (one indexed MIN), and what its
@@ -217,37 +218,21 @@ def jobs_at_risk(session: Session, *, now: datetime | None = None, limit: int = 
     ids = [job.id for job in jobs]
     started, inflight = first_claims(session, job_ids=ids), inflight_by_job(session, job_ids=ids)
     return sum(batch_object(job, now=now, started_at=started.get(job.id),
-                            inflight=inflight.get(job.id))["progress"]["at_risk"] for job in jobs)
+                            inflight=inflight.get(job.id)).progress.at_risk for job in jobs)
 
 
-def file_object(file: File) -> dict[str, Any]:
+def file_object(file: File) -> FileObject:
     """The OpenAI File object of an uploaded file."""
-    return {
-        "id": file.file_id,
-        "object": "file",
-        "bytes": file.bytes,
-        "created_at": epoch(file.created_at),
-        "expires_at": epoch(file.expires_at),
-        "filename": file.filename,
-        "purpose": file.purpose,
-        "status": "processed",
-        "status_details": None,
-    }
+    return FileObject(id=file.file_id, bytes=file.bytes, created_at=epoch(file.created_at),
+                      expires_at=epoch(file.expires_at), filename=file.filename,
+                      purpose="batch")  # the only purpose an upload may have (files.UPLOAD_PURPOSES)
 
 
-def result_file_object(job: Job, kind: Literal["output", "error"], *, size: int) -> dict[str, Any]:
+def result_file_object(job: Job, kind: Literal["output", "error"], *, size: int) -> FileObject:
     """The OpenAI File object of a job's generated output or error file (`size` in bytes)."""
     prefix = OUTPUT_FILE_PREFIX if kind == "output" else ERROR_FILE_PREFIX
     created = job.completed_at or job.cancelled_at or job.expired_at or job.failed_at or job.created_at
-    return {
-        "id": f"{prefix}{job.id}",
-        "object": "file",
-        "bytes": size,
-        "created_at": epoch(created),
-        "expires_at": (epoch(created + timedelta(seconds=job.output_expires_after))  # purged then
-                       if job.output_expires_after is not None else None),
-        "filename": f"batch_{job.id}_{kind}.jsonl",
-        "purpose": "batch_output",
-        "status": "processed",
-        "status_details": None,
-    }
+    return FileObject(id=f"{prefix}{job.id}", bytes=size, created_at=epoch(created),
+                      expires_at=(epoch(created + timedelta(seconds=job.output_expires_after))  # purged then
+                                  if job.output_expires_after is not None else None),
+                      filename=f"batch_{job.id}_{kind}.jsonl", purpose="batch_output")

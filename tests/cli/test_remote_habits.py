@@ -146,14 +146,20 @@ def test_remote_submit_passes_on_invalid_priority_and_shard_size(api_settings: S
 
 
 def _flaky(failures: list[Exception]) -> httpx.MockTransport:
-    """A transport raising the given errors first, then answering every request with a batch."""
+    """A transport raising the given errors first, then answering with a file (uploads) or a batch."""
     calls: list[str] = []
 
     def handle(request: httpx.Request) -> httpx.Response:
         calls.append(request.method)
         if failures:
             raise failures.pop(0)
-        return httpx.Response(200, json={"id": "batch_1", "status": "in_progress"})
+        if request.url.path.endswith("/files"):
+            return httpx.Response(200, json={"id": "file-1", "object": "file", "bytes": 1, "created_at": 0,
+                                             "filename": "in.jsonl", "purpose": "batch"})
+        return httpx.Response(200, json={"id": "batch_1", "object": "batch", "status": "in_progress",
+                                         "endpoint": None, "input_file_id": "file-1", "completion_window": "24h",
+                                         "created_at": 0, "request_counts": {"total": 1, "completed": 0,
+                                                                             "failed": 0}})
 
     transport = httpx.MockTransport(handle)
     transport.calls = calls  # type: ignore[attr-defined]
@@ -164,7 +170,7 @@ def test_client_retries_reads_and_never_replays_an_upload(tmp_path: Path) -> Non
     said: list[str] = []
     refused = [httpx.ConnectError("refused"), httpx.ReadError("reset")]
     with RemoteClient("http://server", transport=_flaky(refused), on_retry=said.append) as client:
-        assert client.get("batch_1")["id"] == "batch_1"  # a read survives refused and dropped connections
+        assert client.get("batch_1").id == "batch_1"  # a read survives refused and dropped connections
     assert len(said) == 2 and "retrying in" in said[0]
 
     path = tmp_path / "in.jsonl"

@@ -49,24 +49,24 @@ def _job(**fields: object) -> Job:
 def test_eta_is_measured_from_the_first_claim_not_from_the_queue_wait() -> None:
     # Waited an hour for a worker, then ran 20 requests in 10 s: 80 left at 2/s is 40 s, not ~4 hours.
     job = _job(completed_requests=20, completion_tokens=2000)
-    progress = batch_object(job, now=NOW, started_at=NOW - timedelta(seconds=10))["progress"]
+    progress = batch_object(job, now=NOW, started_at=NOW - timedelta(seconds=10)).progress.model_dump()
     assert progress["eta_seconds"] == 40.0
     assert progress["requests_per_second"] == 2.0 and progress["tokens_per_second"] == 200.0
     assert progress["started_at"] == int((NOW - timedelta(seconds=10)).timestamp())
     # Without the claim time (an older caller) the clock falls back to in_progress_at.
-    assert batch_object(job, now=NOW)["progress"]["eta_seconds"] == pytest.approx(3600 * 80 / 20, rel=1e-6)
+    assert batch_object(job, now=NOW).progress.eta_seconds == pytest.approx(3600 * 80 / 20, rel=1e-6)
 
 
 def test_no_eta_before_the_first_finished_request_and_ingest_errors_are_not_throughput() -> None:
     started = NOW - timedelta(seconds=30)
-    assert batch_object(_job(), now=NOW, started_at=started)["progress"]["eta_seconds"] is None
+    assert batch_object(_job(), now=NOW, started_at=started).progress.eta_seconds is None
     # 10 lines failed at ingest (num_errors): only the 20 the workers finished measure the pace.
     job = _job(completed_requests=20, failed_requests=10, num_errors=10)
-    assert batch_object(job, now=NOW, started_at=started)["progress"]["eta_seconds"] == 30.0 * 70 / 20
+    assert batch_object(job, now=NOW, started_at=started).progress.eta_seconds == 30.0 * 70 / 20
     only_bad_lines = _job(failed_requests=10, num_errors=10)
-    assert batch_object(only_bad_lines, now=NOW, started_at=started)["progress"]["eta_seconds"] is None
+    assert batch_object(only_bad_lines, now=NOW, started_at=started).progress.eta_seconds is None
     finished = _job(status=JobStatus.COMPLETED, completed_requests=100, completed_at=NOW)
-    assert batch_object(finished, now=NOW, started_at=started)["progress"]["eta_seconds"] is None
+    assert batch_object(finished, now=NOW, started_at=started).progress.eta_seconds is None
     nothing = InflightReport()
     assert estimate(total=5, done=0, worker_done=0, finished_tokens=0, inflight=nothing, elapsed_s=3.0,
                     running=True).eta_seconds is None
@@ -80,11 +80,11 @@ def test_in_flight_tokens_give_an_eta_before_any_request_finished() -> None:
     job = _job(total_requests=30)
     inflight = InflightReport(requests=30, tokens=30 * 32, budget=30 * 64)
     started = NOW - timedelta(seconds=10)
-    progress = batch_object(job, now=NOW, started_at=started, inflight=inflight)["progress"]
+    progress = batch_object(job, now=NOW, started_at=started, inflight=inflight).progress.model_dump()
     assert progress["generated_tokens"] == 960 and progress["tokens_per_second"] == 96.0
     assert progress["remaining_tokens"] == 960 and progress["eta_seconds"] == 10.0
     # Without the in-flight report it would know nothing yet.
-    assert batch_object(job, now=NOW, started_at=started)["progress"]["eta_seconds"] is None
+    assert batch_object(job, now=NOW, started_at=started).progress.eta_seconds is None
 
 
 def test_finished_requests_say_how_much_of_their_budget_the_unclaimed_ones_will_use() -> None:
@@ -211,7 +211,7 @@ def test_a_running_worker_reports_its_in_flight_tokens_before_any_request_finish
         deadline = time.monotonic() + 120
         while worker.is_alive() and time.monotonic() < deadline:
             with sessions() as session:
-                batch = current_batch_object(session, get_job(session, job_id=job.id))
+                batch = current_batch_object(session, get_job(session, job_id=job.id)).model_dump(mode="json")
             progress = batch["progress"]
             if batch["request_counts"]["completed"] == 0 and progress["generated_tokens"]:
                 seen = progress

@@ -79,7 +79,7 @@ def test_round_trip_exports_every_custom_id_once_in_input_order(session):
     cached = sum((10 + n % 7) // 2 for n in range(1, 61))
     assert job.usage == {"prompt_tokens": prompt, "completion_tokens": 180, "total_tokens": prompt + 180,
                          "prompt_tokens_details": {"cached_tokens": cached}}
-    summary = batch_object(job)
+    summary = batch_object(job).model_dump(mode="json")
     assert summary["id"] == f"batch_{job.id}" and summary["status"] == "completed"
     assert summary["request_counts"]["completed"] == 60
 

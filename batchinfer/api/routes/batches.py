@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from functools import partial
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -27,18 +28,11 @@ from batchinfer.api.deps import Caller, CallerDep, OwnerDep, SessionsDep, Settin
 from batchinfer.api.errors import ERROR_RESPONSES, APIError, bad_request, not_found
 from batchinfer.api.known_models import UnknownModel, check_batch_model
 from batchinfer.api.limits import quota_errors
-from batchinfer.api.schemas import BatchList, BatchObject, CreateBatchRequest, RetryBatchRequest
+from batchinfer.api.schemas import CreateBatchRequest, RetryBatchRequest
 from batchinfer.config import Settings
 from batchinfer.store import files as file_store
 from batchinfer.store.errors import JobError, JobNotFound, JobStateError
-from batchinfer.store.jobs import (
-    cancel_job,
-    check_stored_text,
-    get_job,
-    job_id_by_idempotency_key,
-    list_jobs,
-    parse_completion_window,
-)
+from batchinfer.store.jobs import cancel_job, get_job, job_id_by_idempotency_key, list_jobs
 from batchinfer.store.models import JOB_TERMINAL_STATUSES, File, Job
 from batchinfer.store.progress import inflight_by_job
 from batchinfer.store.quotas import check_job_quotas, reserve_job
@@ -47,8 +41,7 @@ from batchinfer.store.retry import retry_input
 from batchinfer.store.serialize import batch_object, current_batch_object, parse_batch_id, parse_file_id
 from batchinfer.store.timeline import first_claims
 from batchinfer.store.workers import served_models
-from batchinfer.wire.input_line import validate_metadata
-from batchinfer.wire.request import URL_TO_ENDPOINT
+from batchinfer.wire.batch import BatchList, BatchObject, RetryInfo, RetryLeftOut
 from workers.dispatch import submit_and_announce
 
 logger = logging.getLogger("batchinfer.api")
@@ -68,28 +61,13 @@ def _job_or_404(session: Session, owner: str, batch_id: str) -> Job:
     return job
 
 
-def _validate(body: CreateBatchRequest, session: Session, owner: str, settings: Settings) -> File:
-    if body.endpoint is not None and body.endpoint not in URL_TO_ENDPOINT:
-        raise bad_request(f"Unsupported endpoint '{body.endpoint}': use one of "
-                          f"{', '.join(sorted(URL_TO_ENDPOINT))}.", param="endpoint", code="invalid_value")
-    try:
-        parse_completion_window(body.completion_window)
-    except JobError as exc:
-        raise bad_request(f"Invalid completion_window: {exc}.", param="completion_window",
-                          code="invalid_value") from None
-    if body.model is not None:
-        try:
-            check_stored_text(body.model, field="model", column=Job.__table__.c.model)
-        except JobError as exc:
-            raise bad_request(f"Invalid model: {exc}.", param="model", code="invalid_value") from None
+def _input_file(body: CreateBatchRequest, session: Session, owner: str, settings: Settings) -> File:
+    """The batch's input file, once its model is known here (api.known_models); the job's own fields
+    (endpoint, completion_window, metadata, ...) are checked once, by store.jobs.submit_job."""
     try:
         check_batch_model(session, model=body.model or settings.default_model, settings=settings)
     except UnknownModel as exc:
         raise bad_request(f"Invalid model: {exc}.", param="model", code=exc.code) from None
-    try:
-        validate_metadata(body.metadata, max_bytes=settings.max_metadata_bytes)
-    except ValueError as exc:
-        raise bad_request(f"Invalid metadata: {exc}.", param="metadata", code="invalid_value") from None
     ref = parse_file_id(body.input_file_id)
     row = file_store.get_file(session, owner=owner, file_id=ref.id) if ref and ref.kind == "input" else None
     if row is None:
@@ -100,16 +78,18 @@ def _validate(body: CreateBatchRequest, session: Session, owner: str, settings: 
     return row
 
 
-def _submit(factory: sessionmaker[Session], settings: Settings, kwargs: dict[str, Any]) -> int:
-    """Runs on the ingest pool: the whole submit (create job, ingest, shard, announce); returns the job id."""
+def _submit(factory: sessionmaker[Session], submit: Callable[[Session], Job], owner: str, key: str) -> int:
+    """Runs on the ingest pool: the whole submit (create job, ingest, shard, announce); returns the job id.
+
+    A JobError (a bad field, QuotaExceeded) is raised before any job exists: the create answers it."""
     with factory() as session:
         try:
-            job = submit_and_announce(session=session, settings=settings, **kwargs)
-        except JobError:  # QuotaExceeded included: the create answers 429 / 400, no job was made
+            job = submit(session)
+        except JobError:
             raise
         except Exception:
-            logger.exception("ingest of %s failed", kwargs.get("path"))
-            job_id = job_id_by_idempotency_key(session, owner=kwargs["owner"], key=kwargs["idempotency_key"])
+            logger.exception("ingest of batch %s of %s failed", key, owner)
+            job_id = job_id_by_idempotency_key(session, owner=owner, key=key)
             if job_id is None:
                 raise
             return job_id  # submit_job marked it failed with an ingest_error
@@ -151,32 +131,34 @@ async def create_batch(
     settings: SettingsDep,
     factory: SessionsDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
-) -> dict[str, Any]:
-    """Create a batch from an uploaded `batch` file; returns it `validating`, `in_progress` or `failed`."""
+) -> BatchObject:
+    """Create a batch from an uploaded `batch` file; returns it `validating`, `in_progress` or `failed`.
 
-    def validate() -> File:
+    A bad field answers 400 naming it (`param`): the store's JobError, through the API's error handler."""
+
+    def input_file() -> File:
         with factory() as session, quota_errors():
             check_job_quotas(session, owner=owner, settings=settings)  # 429 naming the limit
-            return _validate(body, session, owner, settings)
+            return _input_file(body, session, owner, settings)
 
-    file = await run_in_threadpool(validate)
+    file = await run_in_threadpool(input_file)
     expiry = body.output_expires_after
     key = f"api:{idempotency_key}" if idempotency_key else f"api:{uuid.uuid4().hex}"
-    kwargs = dict(model=body.model or settings.default_model, path=file.path, input_file_id=file.id,
-                  owner=owner, endpoint=body.endpoint, metadata=body.metadata,
-                  completion_window=body.completion_window, idempotency_key=key,
-                  on_invalid=body.on_invalid or "skip", priority=body.priority or 0,
-                  shard_size=body.shard_size, output_expires_after=expiry.seconds if expiry else None,
-                  max_total_tokens=body.max_total_tokens,
-                  result_cache=body.result_cache, reserve=partial(_reserve, settings=settings, file=file))
-    future = ingest_pool(request.app).submit(owner, _submit, factory, settings, kwargs)  # owners take turns
-    try:
-        with quota_errors():  # 429 naming the limit the reservation found
-            job_id = await _wait_for_job(factory, owner, key, future)
-    except JobError as exc:
-        raise bad_request(str(exc)) from None
 
-    def load() -> dict[str, Any]:
+    def submit(session: Session) -> Job:
+        return submit_and_announce(
+            session=session, settings=settings, model=body.model or settings.default_model, path=file.path,
+            input_file_id=file.id, owner=owner, endpoint=body.endpoint, metadata=body.metadata,
+            completion_window=body.completion_window, idempotency_key=key,
+            on_invalid=body.on_invalid or "skip", priority=body.priority or 0, shard_size=body.shard_size,
+            output_expires_after=expiry.seconds if expiry else None, max_total_tokens=body.max_total_tokens,
+            result_cache=body.result_cache, reserve=partial(_reserve, settings=settings, file=file))
+
+    future = ingest_pool(request.app).submit(owner, _submit, factory, submit, owner, key)  # owners take turns
+    with quota_errors():  # 429 naming the limit the reservation found; a bad field: the JobError handler
+        job_id = await _wait_for_job(factory, owner, key, future)
+
+    def load() -> BatchObject:
         with factory() as session:
             job = get_job(session, job_id=job_id, owner=owner)
             if job is None:  # cannot happen: the job was just created for this owner
@@ -195,11 +177,11 @@ async def list_batches(
     caller: CallerDep,
     after: Annotated[str | None, Query(max_length=64)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-) -> dict[str, Any]:
+) -> BatchList:
     """Your batches, newest first; `after` is the last id of the previous page."""
     after_id = parse_batch_id(after) if after else None
 
-    def page(session: Session, owner: str) -> dict[str, Any]:
+    def page(session: Session, owner: str) -> BatchList:
         if after and after_id is None:
             raise bad_request(f"Invalid 'after' cursor '{after}': pass the id of a batch from a previous "
                               "page.", param="after")
@@ -209,24 +191,24 @@ async def list_batches(
         inflight = inflight_by_job(session, job_ids=[job.id for job in jobs[:limit]])  # tokens so far
         data = [batch_object(job, served_models=served, started_at=started.get(job.id),
                              inflight=inflight.get(job.id)) for job in jobs[:limit]]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) > limit}
+        return BatchList(data=data, first_id=data[0].id if data else None,
+                         last_id=data[-1].id if data else None, has_more=len(jobs) > limit)
 
     return await caller.read(page)
 
 
 @router.get("/{batch_id}", response_model=BatchObject, responses=ERROR_RESPONSES, summary="Retrieve a batch")
-async def retrieve_batch(batch_id: BatchId, caller: CallerDep, request: Request) -> dict[str, Any]:
+async def retrieve_batch(batch_id: BatchId, caller: CallerDep, request: Request) -> BatchObject:
     """The batch's status, counts, usage and progress: the hot path of polling.
 
     Clients polling a batch share its cached object (at most STATUS_CACHE_TTL_S old) and their key's
     cached check (at most AUTH_CACHE_TTL_S old): a poll is answered on the event loop, and one
     background read per half-TTL keeps both fresh, whatever the number of clients.
     """
-    cache: PollCache = request.app.state.status_cache
+    cache: PollCache[tuple[str, BatchObject]] = request.app.state.status_cache
     job_id = parse_batch_id(batch_id)
 
-    def read(session: Session, owner: str) -> dict[str, Any]:
+    def read(session: Session, owner: str) -> BatchObject:
         job = _job_or_404(session, owner, batch_id)
         batch = current_batch_object(session, job)
         cache.put(job.id, (job.owner, batch))
@@ -244,13 +226,14 @@ async def retrieve_batch(batch_id: BatchId, caller: CallerDep, request: Request)
 _background_tasks: set[asyncio.Task[None]] = set()
 
 
-def _in_background(coroutine: Any) -> None:
+def _in_background(coroutine: Coroutine[object, object, None]) -> None:
     task = asyncio.get_running_loop().create_task(coroutine)
     _background_tasks.add(task)  # the loop keeps only weak references to tasks
     task.add_done_callback(_background_tasks.discard)
 
 
-async def _refresh(caller: Caller, read: Any, cache: PollCache, job_id: int) -> None:
+async def _refresh(caller: Caller, read: Callable[[Session, str], BatchObject],
+                   cache: PollCache[tuple[str, BatchObject]], job_id: int) -> None:
     """Re-authenticate and re-read a polled batch; on a failure forget both (the next poll asks the DB)."""
     try:
         await caller.read(read)
@@ -261,23 +244,23 @@ async def _refresh(caller: Caller, read: Any, cache: PollCache, job_id: int) -> 
 
 @router.post("/{batch_id}/cancel", response_model=BatchObject, responses=ERROR_RESPONSES,
              summary="Cancel a batch")
-async def cancel_batch(batch_id: BatchId, caller: CallerDep, request: Request) -> dict[str, Any]:
+async def cancel_batch(batch_id: BatchId, caller: CallerDep, request: Request) -> BatchObject:
     """Cancel: the batch is `cancelling` until running shards let go, then `cancelled`."""
     batch = await run_in_threadpool(_cancel, caller, batch_id)
-    request.app.state.status_cache.drop(parse_batch_id(batch["id"]))  # read-your-writes for this client
+    request.app.state.status_cache.drop(parse_batch_id(batch.id))  # read-your-writes for this client
     return batch
 
 
 @router.post("/{batch_id}/retry", response_model=BatchObject, responses=ERROR_RESPONSES,
              summary="Retry a batch's failed lines")
 async def retry_batch(batch_id: BatchId, body: RetryBatchRequest, caller: CallerDep,
-                      settings: SettingsDep) -> dict[str, Any]:
+                      settings: SettingsDep) -> BatchObject:
     """Extension: a new batch of a finished batch's failed / expired / cancelled lines (its metadata's
     `retry_of` names the parent); lines with invalid input are named in `retry.left_out` unless included."""
     return await run_in_threadpool(_retry, caller, settings, batch_id, body)
 
 
-def _retry(caller: Caller, settings: Settings, batch_id: str, body: RetryBatchRequest) -> dict[str, Any]:
+def _retry(caller: Caller, settings: Settings, batch_id: str, body: RetryBatchRequest) -> BatchObject:
     job_id = parse_batch_id(batch_id)
     if job_id is None:
         raise not_found("batch", batch_id, param="batch_id")
@@ -289,8 +272,6 @@ def _retry(caller: Caller, settings: Settings, batch_id: str, body: RetryBatchRe
             raise not_found("batch", batch_id, param="batch_id") from None
         except JobStateError as exc:
             raise bad_request(str(exc), param="batch_id", code="invalid_batch_status") from None
-        except JobError as exc:
-            raise bad_request(str(exc), param="only") from None
         size = len(child.stream.getbuffer())
 
         def reserve(session: Session, job: Job) -> None:  # the child's lines and bytes, as a create's
@@ -298,18 +279,14 @@ def _retry(caller: Caller, settings: Settings, batch_id: str, body: RetryBatchRe
 
         with quota_errors():  # 429 naming the limit, as a create would
             check_job_quotas(session, owner=owner, settings=settings)
-            try:
-                job = submit_and_announce(session=session, settings=settings, stream=child.stream,
-                                          reserve=reserve, **child.submit_args)
-            except JobError as exc:
-                if type(exc) is not JobError:
-                    raise
-                raise bad_request(str(exc), param="batch_id") from None
-        return {**batch_object(job), "retry": {"of": batch_id, "lines": len(child.lines),
-                                                "left_out": child.left_out}}
+            job = submit_and_announce(session=session, settings=settings, stream=child.stream,
+                                      reserve=reserve, **child.submit_args)
+        retry = RetryInfo(of=batch_id, lines=len(child.lines),
+                          left_out=[RetryLeftOut.model_validate(line) for line in child.left_out])
+        return batch_object(job).model_copy(update={"retry": retry})
 
 
-def _cancel(caller: Caller, batch_id: str) -> dict[str, Any]:
+def _cancel(caller: Caller, batch_id: str) -> BatchObject:
     job_id = parse_batch_id(batch_id)
     if job_id is None:
         raise not_found("batch", batch_id, param="batch_id")

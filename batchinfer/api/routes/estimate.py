@@ -13,9 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from batchinfer.api.deps import OwnerDep, SessionsDep, SettingsDep
 from batchinfer.api.errors import ERROR_RESPONSES, bad_request, not_found
 from batchinfer.store import files as file_store
-from batchinfer.store.estimate import Estimate, estimate_file, model_tokenizer
+from batchinfer.store.estimate import estimate_file, model_tokenizer
 from batchinfer.store.serialize import parse_file_id
 from batchinfer.store.workers import served_models
+from batchinfer.wire.batch import Estimate
 from workers.result_cache_forecast import cache_hits
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])

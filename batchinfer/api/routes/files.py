@@ -11,7 +11,7 @@ the sizes stored when their job ended, and deleting one deletes the result rows 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -22,13 +22,13 @@ from batchinfer.api import metrics
 from batchinfer.api.deps import Caller, CallerDep, OwnerDep, SessionsDep, SettingsDep
 from batchinfer.api.errors import ERROR_RESPONSES, ErrorResponse, bad_request, not_found
 from batchinfer.api.limits import quota_errors, upload_expires_at, upload_slot
-from batchinfer.api.schemas import UPLOAD_BODY, DeletedFile, FileList, FileObject
+from batchinfer.api.schemas import UPLOAD_BODY
 from batchinfer.api.uploads import MULTIPART_OVERHEAD_BYTES, Upload, receive_upload
 from batchinfer.config import Settings
 from batchinfer.store import files as file_store
 from batchinfer.store.export import export_results
 from batchinfer.store.jobs import get_job
-from batchinfer.store.models import Job, utcnow
+from batchinfer.store.models import File, Job, utcnow
 from batchinfer.store.quotas import check_storage_quota, stored_bytes
 from batchinfer.store.result_files import (
     delete_result_file,
@@ -43,6 +43,7 @@ from batchinfer.store.serialize import (
     parse_file_id,
     result_file_object,
 )
+from batchinfer.wire.file import DeletedFile, FileList, FileObject
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -57,7 +58,7 @@ FileId = Annotated[str, Path(description="file-<n> (upload), file-out-<n> / file
                         413: {"model": ErrorResponse, "description": "File over the size limit"}},
              summary="Upload a JSONL batch input file")
 async def upload_file(request: Request, owner: OwnerDep, settings: SettingsDep,
-                      sessions: SessionsDep) -> dict[str, Any]:
+                      sessions: SessionsDep) -> FileObject:
     """Stream a multipart upload (fields `file`, `purpose=batch`) to storage; returns the File object."""
     async with upload_slot(request.app, owner, settings):
         upload = await receive_owner_upload(request, owner, settings, sessions)
@@ -85,7 +86,7 @@ async def receive_owner_upload(request: Request, owner: str, settings: Settings,
 
 
 async def store_upload(sessions: sessionmaker[Session], owner: str, upload: Upload,
-                       settings: Settings) -> Any:
+                       settings: Settings) -> File:
     """Register a received upload as the owner's file (its staged bytes are removed if that fails)."""
     try:
         row = await run_in_threadpool(register_upload, sessions, owner, upload, settings)
@@ -96,7 +97,7 @@ async def store_upload(sessions: sessionmaker[Session], owner: str, upload: Uplo
     return row
 
 
-def register_upload(sessions: sessionmaker[Session], owner: str, upload: Upload, settings: Settings) -> Any:
+def register_upload(sessions: sessionmaker[Session], owner: str, upload: Upload, settings: Settings) -> File:
     """Record a received upload as the owner's File (storage quota, checked and charged atomically with its
     row; expires_after); /ui uploads use it too."""
     now = utcnow()
@@ -118,21 +119,21 @@ async def list_files(
     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
     after: str | None = None,
     order: Literal["asc", "desc"] = "desc",
-) -> dict[str, Any]:
+) -> FileList:
     """Your files: uploads (purpose `batch`), then your batches' output and error files (purpose
     `batch_output`), each newest first unless `order=asc`; `purpose` keeps one of the two, and `after`
     is the last id of the previous page."""
     return await run_in_threadpool(_list, caller, purpose, limit, after, order)
 
 
-def _list(caller: Caller, purpose: str | None, limit: int, after: str | None, order: str) -> dict[str, Any]:
+def _list(caller: Caller, purpose: str | None, limit: int, after: str | None, order: str) -> FileList:
     ref = parse_file_id(after) if after else None
     wrong_kind = ref is not None and (ref.kind == "input" if purpose == "batch_output"
                                       else ref.kind != "input" and purpose is not None)
     if after and (ref is None or wrong_kind):
         raise bad_request(f"Invalid 'after' cursor '{after[:64]}': pass the id of a file from a "
                           "previous page.", param="after")
-    data: list[dict[str, Any]] = []
+    data: list[FileObject] = []
     has_more = False
     with caller.session() as (session, owner):
         if purpose != "batch_output" and (ref is None or ref.kind == "input"):
@@ -145,8 +146,8 @@ def _list(caller: Caller, purpose: str | None, limit: int, after: str | None, or
                                                 after=result_after, order=order)
             data += [result_file_object(f.job, f.kind, size=result_file_size(session, job=f.job, kind=f.kind))
                      for f in files]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+    return FileList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                    has_more=has_more)
 
 
 def _result_job(session: Session, owner: str, file_id: str) -> tuple[Job, Literal["output", "error"]]:
@@ -162,12 +163,12 @@ def _result_job(session: Session, owner: str, file_id: str) -> tuple[Job, Litera
 
 
 @router.get("/{file_id}", response_model=FileObject, responses=ERROR_RESPONSES, summary="Retrieve a file")
-async def retrieve_file(file_id: FileId, caller: CallerDep, request: Request) -> dict[str, Any]:
+async def retrieve_file(file_id: FileId, caller: CallerDep, request: Request) -> FileObject:
     """The File object of an upload, or of a batch's output/error file."""
     return await run_in_threadpool(_retrieve, caller, file_id)
 
 
-def _retrieve(caller: Caller, file_id: str) -> dict[str, Any]:
+def _retrieve(caller: Caller, file_id: str) -> FileObject:
     ref = parse_file_id(file_id)
     with caller.session() as (session, owner):
         if ref is not None and ref.kind == "input":
@@ -184,23 +185,23 @@ def _export_kind(kind: str) -> Literal["output", "errors"]:
 
 
 @router.delete("/{file_id}", response_model=DeletedFile, responses=ERROR_RESPONSES, summary="Delete a file")
-async def delete_file(file_id: FileId, caller: CallerDep, request: Request) -> dict[str, Any]:
+async def delete_file(file_id: FileId, caller: CallerDep, request: Request) -> DeletedFile:
     """Delete an uploaded file (batches made from it keep their requests), or a batch's output or error
     file (its result lines are deleted; the batch keeps its request_counts)."""
     return await run_in_threadpool(_delete, caller, file_id)
 
 
-def _delete(caller: Caller, file_id: str) -> dict[str, Any]:
+def _delete(caller: Caller, file_id: str) -> DeletedFile:
     ref = parse_file_id(file_id)
     with caller.session() as (session, owner):
         if ref is not None and ref.kind != "input":
             job, kind = _result_job(session, owner, file_id)  # 404 unless it is the caller's
             if not delete_result_file(session, owner=owner, job_id=job.id, kind=kind):
                 raise not_found("File", file_id, param="file_id")
-            return {"id": file_id, "object": "file", "deleted": True}
+            return DeletedFile(id=file_id, deleted=True)
         if ref is None or not file_store.delete_file(session, owner=owner, file_id=ref.id):
             raise not_found("File", file_id, param="file_id")
-    return {"id": file_id, "object": "file", "deleted": True}
+    return DeletedFile(id=file_id, deleted=True)
 
 
 @router.get("/{file_id}/content", responses={200: {"content": {"application/jsonl": {}}}, **ERROR_RESPONSES},

@@ -13,7 +13,8 @@ owner, and may open, cancel and download any of them through the store's service
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Iterator
+from typing import Annotated, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Form, Path, Request
 from fastapi.concurrency import run_in_threadpool
@@ -23,7 +24,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from batchinfer.api.deps import Caller, SessionsDep, SettingsDep
-from batchinfer.api.errors import APIError
+from batchinfer.api.errors import APIError, job_error
 from batchinfer.api.limits import upload_slot
 from batchinfer.api.routes.batches import cancel_batch, create_batch
 from batchinfer.api.routes.files import file_content, receive_owner_upload, store_upload
@@ -47,6 +48,7 @@ from batchinfer.api.ui.auth import (
 )
 from batchinfer.api.ui.templating import STATIC_DIR, render
 from batchinfer.api.ui.views import (
+    BatchRow,
     batch_view,
     find_job,
     jobs_view,
@@ -55,11 +57,13 @@ from batchinfer.api.ui.views import (
     workers_view,
 )
 from batchinfer.store.apikeys import authenticate, is_admin_key
-from batchinfer.store.errors import JobNotFound, JobStateError
+from batchinfer.store.errors import JobError, JobNotFound, JobStateError
 from batchinfer.store.export import export_results
 from batchinfer.store.jobs import cancel_job
+from batchinfer.store.models import Job
 from batchinfer.store.serialize import parse_batch_id
 
+View = TypeVar("View")  # what a job page's view function makes of the job
 router = APIRouter(prefix=UI_PATH, include_in_schema=False)
 
 BatchId = Annotated[str, Path(max_length=64)]
@@ -150,7 +154,7 @@ async def home(request: Request, caller: UiCallerDep) -> Response:
 async def jobs_fragment(request: Request, caller: UiCallerDep) -> Response:
     """The jobs table (re-fetched every few seconds)."""
 
-    def work(session: Session, owner: str) -> tuple[bool, list]:
+    def work(session: Session, owner: str) -> tuple[bool, list[BatchRow]]:
         admin = is_admin(session, caller)
         return admin, jobs_view(session, owner=None if admin else owner)
 
@@ -180,15 +184,16 @@ async def upload(request: Request, caller: UiCallerDep, settings: SettingsDep,
                                   model=_chosen_model(received.fields.get("model", ""), models))
         batch = await create_batch(body=body, request=request, owner=owner, settings=settings,
                                    factory=sessions)
-    except APIError as exc:
-        return render(request, "_message.html", {"tone": "bad", "message": exc.message},
-                      status_code=exc.status_code)
+    except (APIError, JobError) as exc:  # a JobError: a field the store refused (the REST answer's message)
+        answer = job_error(exc) if isinstance(exc, JobError) else exc
+        return render(request, "_message.html", {"tone": "bad", "message": answer.message},
+                      status_code=answer.status_code)
     except ValidationError as exc:  # a form field the batch body refuses (too long, say)
         error = exc.errors()[0]
         field = ".".join(str(part) for part in error["loc"])
         message = f"Invalid {field}: {error['msg']}."
         return render(request, "_message.html", {"tone": "bad", "message": message}, status_code=400)
-    return go_to(request, f"{UI_PATH}/batches/{batch['id']}")
+    return go_to(request, f"{UI_PATH}/batches/{batch.id}")
 
 
 def _chosen_model(typed: str, models: dict[str, str]) -> str | None:
@@ -200,11 +205,12 @@ def _chosen_model(typed: str, models: dict[str, str]) -> str | None:
 # --- one job ---------------------------------------------------------------------------------------
 
 
-async def _job_page_data(caller: UiCallerDep, batch_id: str, view: Any) -> Any:
+async def _job_page_data(caller: UiCallerDep, batch_id: str,
+                         view: Callable[[Session, Job], View]) -> View | None:
     """view(session, job) for the caller's job (any job in the admin view), or None when it is not theirs
     (or does not exist)."""
 
-    def work(session: Session, owner: str) -> Any:
+    def work(session: Session, owner: str) -> View | None:
         job = find_job(session, owner=_visible_owner(session, caller, owner), batch_id=batch_id)
         return None if job is None else view(session, job)
 
@@ -314,7 +320,7 @@ async def _admin_download(request: Request, batch_id: str, kind: str, caller: Ca
     if job is None:
         return _not_found(request, batch_id)
 
-    def lines() -> Any:
+    def lines() -> Iterator[bytes]:
         with caller.sessions() as session:
             yield from export_results(session, job_id=job.id, kind="output" if kind == "output" else "errors")
 

@@ -6,23 +6,23 @@ throughput and ETA), a worker row is what the worker reported in its heartbeat (
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
+from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from batchinfer.engine.metrics import model_label
 from batchinfer.store.columns import utcnow
-from batchinfer.store.export import export_results
 from batchinfer.store.jobs import get_job, list_jobs
 from batchinfer.store.models import JOB_CANCELLABLE_STATUSES, JOB_TERMINAL_STATUSES, Job, JobStatus
+from batchinfer.store.request_errors import request_errors
 from batchinfer.store.serialize import batch_object, current_batch_object, parse_batch_id
 from batchinfer.store.timeline import first_claims, token_timeline
 from batchinfer.store.workers import list_workers, served_models
+from batchinfer.wire.batch import BatchErrorItem, BatchObject
 
 JOBS_ON_PAGE = 50
 ERRORS_PREVIEW = 10
@@ -59,31 +59,57 @@ def tone(status: str) -> str:
     return _TONES.get(status, "muted")
 
 
-def _row(batch: dict[str, Any]) -> dict[str, Any]:
+class ErrorPreview(BaseModel):
+    """One row of a batch page's errors: where (`line N`, or `file` for the whole file), code, message."""
+
+    where: str
+    code: str
+    message: str
+
+
+class BatchRow(BatchObject):
+    """A batch object plus what a table row and the batch page show (the figures are the REST API's)."""
+
+    owner: str
+    done: int
+    rate: float
+    rate_unit: str
+    generated: int
+    percent: float
+    model_name: str
+    live: bool
+    cancellable: bool
+    tone: str
+    eta: str
+    created: str
+    estimated: str
+    errors_preview: list[ErrorPreview] = []
+
+
+def _row(batch: BatchObject, *, owner: str, errors: list[ErrorPreview] | None = None) -> BatchRow:
     """A batch object plus what a table row shows."""
-    counts, progress = batch["request_counts"], batch.get("progress") or {}
-    done = counts["completed"] + counts["failed"]
-    usage = batch.get("usage") or {}
+    counts, progress, usage = batch.request_counts, batch.progress, batch.usage
     # An embeddings batch generates nothing: its throughput is the input tokens it embedded.
-    embeds = not usage.get("output_tokens") and bool(usage.get("input_tokens"))
-    rate = progress.get("input_tokens_per_second" if embeds else "tokens_per_second") or 0.0
-    return {**batch, "done": done, "rate": rate, "rate_unit": "input tok/s" if embeds else "tok/s",
-            "generated": progress.get("generated_tokens") or usage.get("output_tokens") or 0,
-            "percent": round(100.0 * (progress.get("fraction") or 0.0), 1),
-            "model_name": model_label(batch["model"] or ""),
-            "live": batch["status"] not in JOB_TERMINAL_STATUSES,
-            "cancellable": batch["status"] in JOB_CANCELLABLE_STATUSES, "tone": tone(batch["status"]),
-            "eta": duration(progress.get("eta_seconds")), "created": _clock(batch["created_at"]),
-            "estimated": duration((batch.get("estimate") or {}).get("expected_seconds"))}
+    embeds = not usage.output_tokens and bool(usage.input_tokens)
+    rate = (progress.input_tokens_per_second if embeds else progress.tokens_per_second) or 0.0
+    return BatchRow.model_construct(
+        **dict(batch), owner=owner, done=counts.completed + counts.failed, rate=rate,
+        rate_unit="input tok/s" if embeds else "tok/s",
+        generated=progress.generated_tokens or usage.output_tokens or 0,
+        percent=round(100.0 * (progress.fraction or 0.0), 1), model_name=model_label(batch.model or ""),
+        live=batch.status not in JOB_TERMINAL_STATUSES, cancellable=batch.status in JOB_CANCELLABLE_STATUSES,
+        tone=tone(batch.status), eta=duration(progress.eta_seconds), created=_clock(batch.created_at),
+        estimated=duration(batch.estimate.expected_seconds if batch.estimate else None),
+        errors_preview=errors or [])
 
 
-def jobs_view(session: Session, *, owner: str | None, limit: int = JOBS_ON_PAGE) -> list[dict[str, Any]]:
+def jobs_view(session: Session, *, owner: str | None, limit: int = JOBS_ON_PAGE) -> list[BatchRow]:
     """The owner's newest jobs as table rows (every owner's when `owner` is None: the admin view)."""
     jobs = list_jobs(session, owner=owner, limit=limit)
     served = served_models(session)
     started = first_claims(session, job_ids=[job.id for job in jobs])
-    return [{**_row(batch_object(job, served_models=served, started_at=started.get(job.id))),
-             "owner": job.owner} for job in jobs]
+    return [_row(batch_object(job, served_models=served, started_at=started.get(job.id)), owner=job.owner)
+            for job in jobs]
 
 
 def find_job(session: Session, *, owner: str | None, batch_id: str) -> Job | None:
@@ -93,35 +119,31 @@ def find_job(session: Session, *, owner: str | None, batch_id: str) -> Job | Non
     return get_job(session, job_id=job_id, owner=owner) if job_id is not None else None
 
 
-def batch_view(session: Session, job: Job) -> dict[str, Any]:
+def batch_view(session: Session, job: Job) -> BatchRow:
     """One job's page: its row, and the first error lines."""
-    row = _row(current_batch_object(session, job))
-    row["owner"] = job.owner
-    row["errors_preview"] = errors_preview(session, job)
-    return row
+    return _row(current_batch_object(session, job), owner=job.owner, errors=errors_preview(session, job))
 
 
-def errors_preview(session: Session, job: Job, *, limit: int = ERRORS_PREVIEW) -> list[dict[str, Any]]:
-    """The first `limit` errors: the input file's line errors, then the error lines of failed requests.
+def errors_preview(session: Session, job: Job, *, limit: int = ERRORS_PREVIEW) -> list[ErrorPreview]:
+    """The first `limit` errors: the input file's line errors, then the failed requests (their line
+    numbers read from data: the listed errors' `line`, the requests' own line_number).
 
-    Only scans the results when some request failed after ingest (failed_requests > num_errors).
+    Only reads the requests when some request failed after ingest (failed_requests > num_errors).
     """
-    out = []
+    out: list[ErrorPreview] = []
+    listed: set[int] = set()
     for error in (job.errors or [])[:limit]:
-        where = f"line {error['line']}" if error.get("line") else "file"
-        message = (error.get("message") or "").removeprefix(f"{where}: ")
-        out.append({"where": where, "code": error.get("code") or "", "message": message})
+        item = BatchErrorItem.model_validate(error)
+        where = f"line {item.line}" if item.line else "file"
+        if item.line:
+            listed.add(item.line)
+        out.append(ErrorPreview(where=where, code=item.code or "",
+                                message=(item.message or "").removeprefix(f"{where}: ")))
     if len(out) < limit and job.failed_requests > job.num_errors:
-        listed = {item["where"] for item in out}
-        for raw in itertools.islice(export_results(session, job_id=job.id, kind="errors"), 4 * limit):
-            line = orjson.loads(raw)
-            error = line.get("error") or {}
-            message = error.get("message") or ""
-            where = message.split(":", 1)[0] if message.startswith("line ") else line.get("custom_id", "")
-            if where in listed:
+        for failed in request_errors(session, job_id=job.id, limit=len(listed) + limit):
+            if failed.line in listed:  # an ingest error listed above
                 continue
-            out.append({"where": where, "code": error.get("code") or "",
-                        "message": message.removeprefix(f"{where}: ")})
+            out.append(ErrorPreview(where=f"line {failed.line}", code=failed.code, message=failed.detail))
             if len(out) >= limit:
                 break
     return out
