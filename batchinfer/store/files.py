@@ -44,7 +44,12 @@ class FileTooLarge(ValueError):
 
 
 class InvalidFile(ValueError):
-    """The upload is not a usable JSONL file (empty, or its first line is not a JSON object)."""
+    """The upload is not a usable JSONL file (empty, or its first line is not a JSON object); `line`: the
+    input line at fault, as data (None: the whole file)."""
+
+    def __init__(self, message: str, *, line: int | None = None) -> None:
+        super().__init__(message)
+        self.line = line
 
 
 def files_dir(data_dir: str | Path) -> Path:
@@ -100,7 +105,7 @@ class UploadWriter:
         if end < 0:
             if len(self._head) > self.max_line_bytes:
                 raise InvalidFile(f"line 1 is longer than {self.max_line_bytes} bytes "
-                                  "(settings.max_line_bytes)")
+                                  "(settings.max_line_bytes)", line=1)
             return
         _check_json_object(self._head[:end])
         self._head_checked = True
@@ -132,12 +137,12 @@ def _check_json_object(line: bytes) -> None:
         value = orjson.loads(line)
     except orjson.JSONDecodeError as exc:
         raise InvalidFile(
-            f"file is not JSONL: line 1 is not valid JSON ({exc.msg}); put one JSON object per line"
+            f"file is not JSONL: line 1 is not valid JSON ({exc.msg}); put one JSON object per line", line=1
         ) from None
     if not isinstance(value, dict):
         raise InvalidFile(
             f"file is not JSONL: line 1 is a JSON {type(value).__name__}, not an object; "
-            "put one request object per line"
+            "put one request object per line", line=1
         )
 
 

@@ -107,3 +107,15 @@ def test_the_dashboard_reads_a_failed_requests_line_from_its_row(client: TestCli
         rows = errors_preview(session, job)
     assert [(row.where, row.code, row.message) for row in rows] == [
         ("line 2", "engine_error", "the engine refused it")]
+
+
+def test_an_unusable_upload_names_its_line_as_data(tmp_path: Path) -> None:
+    from batchinfer.store.files import InvalidFile, UploadWriter
+
+    writer = UploadWriter(tmp_path, max_bytes=1000)
+    with pytest.raises(InvalidFile) as refused:
+        writer.write(b"[1, 2]\n")
+    assert refused.value.line == 1
+    with pytest.raises(InvalidFile) as empty:
+        UploadWriter(tmp_path, max_bytes=1000).finish()
+    assert empty.value.line is None  # the whole file, not one line

@@ -156,10 +156,11 @@ def _flaky(failures: list[Exception]) -> httpx.MockTransport:
         if request.url.path.endswith("/files"):
             return httpx.Response(200, json={"id": "file-1", "object": "file", "bytes": 1, "created_at": 0,
                                              "filename": "in.jsonl", "purpose": "batch"})
+        counts = {"total": 1, "completed": 0, "failed": 0}
         return httpx.Response(200, json={"id": "batch_1", "object": "batch", "status": "in_progress",
-                                         "endpoint": None, "input_file_id": "file-1", "completion_window": "24h",
-                                         "created_at": 0, "request_counts": {"total": 1, "completed": 0,
-                                                                             "failed": 0}})
+                                         "endpoint": None, "input_file_id": "file-1",
+                                         "completion_window": "24h", "created_at": 0,
+                                         "request_counts": counts})
 
     transport = httpx.MockTransport(handle)
     transport.calls = calls  # type: ignore[attr-defined]

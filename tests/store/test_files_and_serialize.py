@@ -125,6 +125,7 @@ def test_result_files_are_offered_once_the_job_is_done():
 def test_file_object_shape():
     row = File(id=5, owner="o", filename="in.jsonl", purpose="batch", bytes=12, path="/x",
                created_at=datetime(2024, 1, 1, tzinfo=UTC))
-    assert file_object(row).model_dump() == {"id": "file-5", "object": "file", "bytes": 12, "created_at": 1704067200,
-                                "expires_at": None, "filename": "in.jsonl", "purpose": "batch",
-                                "status": "processed", "status_details": None}
+    assert file_object(row).model_dump() == {"id": "file-5", "object": "file", "bytes": 12,
+                                             "created_at": 1704067200, "expires_at": None,
+                                             "filename": "in.jsonl", "purpose": "batch",
+                                             "status": "processed", "status_details": None}
