@@ -9,7 +9,7 @@ a 500 whose message says nothing about the internals (the traceback goes to the 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -53,7 +53,7 @@ class ErrorResponse(BaseModel):
 
 
 # The error answers every authenticated route documents (for /docs and schema-driven clients).
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {  # FastAPI `responses=`
     400: {"model": ErrorResponse, "description": "Invalid request"},
     401: {"model": ErrorResponse, "description": "Missing, unknown or revoked API key"},
     404: {"model": ErrorResponse, "description": "No such object (or not yours)"},
@@ -89,9 +89,9 @@ def _default_type(status_code: int) -> str:
 
 
 def error_body(message: str, *, type: str, param: str | None = None,  # noqa: A002
-               code: str | None = None) -> dict[str, Any]:
+               code: str | None = None) -> dict[str, object]:
     """The JSON body of an error response."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code)).model_dump()
 
 
 def _response(status_code: int, message: str, *, type: str | None = None, param: str | None = None,  # noqa: A002
@@ -115,7 +115,7 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
     return _response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
 
-def _field_path(loc: tuple[Any, ...]) -> str:
+def _field_path(loc: Sequence[int | str]) -> str:
     # loc is ("body" | "query" | "path" | "header", field, index, ...); the client knows the field name.
     parts = [str(part) for part in loc[1:]] or [str(part) for part in loc]
     return ".".join(parts)

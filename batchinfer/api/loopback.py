@@ -11,7 +11,6 @@ interface), name a loopback Host, and carry no Origin but a loopback one; else 4
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
@@ -74,7 +73,7 @@ class LoopbackOnly:
 async def _forbidden(scope: Scope, receive: Receive, send: Send, reason: str) -> None:
     message = (f"Forbidden: authentication is disabled, so only loopback pages and clients may call this "
                f"server, and {reason}. Use http://127.0.0.1, or serve with API keys.")
-    body: dict[str, Any] = error_body(message, type="invalid_request_error", code="not_loopback")
+    body = error_body(message, type="invalid_request_error", code="not_loopback")
     if scope["type"] == "websocket":
         await send({"type": "websocket.close", "code": 1008})
         return

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import click
 import orjson
-from pydantic import SecretStr
+from pydantic import BaseModel, SecretStr
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 EXIT_PARTIAL, EXIT_FAILED, EXIT_CANCELLED, EXIT_EXPIRED, EXIT_TIMEOUT = 3, 4, 5, 6, 7
@@ -62,6 +62,8 @@ def dumps(value: Any) -> str:
 def _default(value: Any) -> Any:
     if isinstance(value, Path | SecretStr):
         return str(value)  # a SecretStr prints masked
+    if isinstance(value, BaseModel):  # a typed wire object (batchinfer.wire): the Batch object, say
+        return value.model_dump(mode="json")
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 

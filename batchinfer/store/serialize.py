@@ -1,6 +1,7 @@
-"""Public representations: OpenAI Batch and File objects, and the public ids they carry.
+"""Public representations: a job's Batch object and a file's File object (the one typed definition of
+each is batchinfer.wire.batch / wire.file), built from rows here, and the public ids they carry.
 
-Shared by the REST API and the CLI, so it imports neither FastAPI nor torch. Ids:
+Shared by the REST API, the CLI and the dashboard, so it imports neither FastAPI nor torch. Ids:
 
 - `batch_<job id>`         a Job
 - `file-<file id>`         an uploaded input file (purpose "batch")

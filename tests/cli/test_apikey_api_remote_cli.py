@@ -93,26 +93,26 @@ def test_remote_client_round_trip(api_settings, factory, make_key, tmp_path, mon
     path.write_bytes(jsonl([chat_line(f"c{i}", "hi") for i in range(4)] + [completion_line("p", "Once")]))
     with serve(create_app(api_settings)) as base, RemoteClient(base, key) as remote:
         batch = remote.submit(path, metadata={"source": "cli"})
-        assert batch["status"] == "in_progress" and batch["metadata"] == {"source": "cli"}
-        assert batch["endpoint"] is None and batch["model"] == TEST_MODEL  # a mixed file: lines use both
-        assert batch["request_counts"] == {"total": 5, "completed": 0, "failed": 0}
+        assert batch.status == "in_progress" and batch.metadata == {"source": "cli"}
+        assert batch.endpoint is None and batch.model == TEST_MODEL  # a mixed file: lines use both
+        assert batch.request_counts.model_dump() == {"total": 5, "completed": 0, "failed": 0}
         other = remote.submit(path, model="another-model", idempotency_key="nightly-1")
-        assert other["model"] == "another-model"
-        assert remote.submit(path, model="another-model", idempotency_key="nightly-1")["id"] == other["id"]
-        assert remote.cancel(other["id"])["status"] == "cancelled"
+        assert other.model == "another-model"
+        assert remote.submit(path, model="another-model", idempotency_key="nightly-1").id == other.id
+        assert remote.cancel(other.id).status == "cancelled"
         with FixedOutputWorker(factory, model=TEST_MODEL):
             deadline = time.monotonic() + 30
-            while (batch := remote.get(batch["id"]))["status"] != "completed":
+            while (batch := remote.get(batch.id)).status != "completed":
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
-        assert batch["progress"]["fraction"] == 1.0
+        assert batch.progress.fraction == 1.0
         page = remote.list(limit=1)
-        assert [b["id"] for b in page["data"]] == [other["id"]] and page["has_more"]
-        assert [b["id"] for b in remote.list(limit=5, after=page["last_id"])["data"]] == [batch["id"]]
-        assert [b["id"] for b in remote.list(limit=500)["data"]] == [other["id"], batch["id"]]  # > one page
+        assert [b.id for b in page.data] == [other.id] and page.has_more
+        assert [b.id for b in remote.list(limit=5, after=page.last_id).data] == [batch.id]
+        assert [b.id for b in remote.list(limit=500).data] == [other.id, batch.id]  # > one page
         monkeypatch.setattr(remote_module, "MAX_PAGE", 1)  # pages of one: the client follows last_id
-        assert [b["id"] for b in remote.list(limit=3)["data"]] == [other["id"], batch["id"]]
-        lines = list(remote.content(batch["output_file_id"]))
+        assert [b.id for b in remote.list(limit=3).data] == [other.id, batch.id]
+        lines = list(remote.content(batch.output_file_id))
         assert len(lines) == 5 and all(line.endswith(b"\n") for line in lines)
 
         with pytest.raises(RemoteError, match="No such batch") as missing:

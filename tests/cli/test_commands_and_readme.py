@@ -133,6 +133,8 @@ def test_readme_commands_and_options_exist_as_written() -> None:
 
 def test_readme_exit_codes_are_the_cli_exit_codes() -> None:
     from batchinfer.cli.jobs import exit_code_for
+    from batchinfer.store.statuses import JobStatus
+    from batchinfer.wire.batch import BatchObject, RequestCounts
 
     text = README.read_text()
     paragraph = re.search(r"Exit codes: (.*?)\n\n", text, flags=re.S)
@@ -140,8 +142,10 @@ def test_readme_exit_codes_are_the_cli_exit_codes() -> None:
     stated = {int(code) for code in re.findall(r"`(\d)`", paragraph.group(1))}
     assert stated == set(EXIT_CODES)
 
-    def batch(status: str, failed: int = 0) -> dict:
-        return {"status": status, "request_counts": {"total": 2, "completed": 2 - failed, "failed": failed}}
+    def batch(status: str, failed: int = 0) -> BatchObject:
+        return BatchObject(id="batch_1", endpoint=None, input_file_id=None, completion_window="24h",
+                           created_at=0, status=JobStatus(status),
+                           request_counts=RequestCounts(total=2, completed=2 - failed, failed=failed))
 
     assert [exit_code_for(batch("completed")), exit_code_for(batch("completed", 1)),
             exit_code_for(batch("failed")), exit_code_for(batch("cancelled")),

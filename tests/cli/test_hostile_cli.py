@@ -107,13 +107,13 @@ def test_a_batch_no_live_worker_serves_says_so_and_expires(env: Path) -> None:
     with _sessions()() as session:
         register_worker(session, worker_id="w-right", model="nobody-serves-this")
     code, out = _cli("status", batch["id"], "--json")
-    assert "note" not in orjson.loads(out)["progress"]  # a live worker serves it now
+    assert orjson.loads(out)["progress"]["note"] is None  # a live worker serves it now
 
     with _sessions()() as session:
         assert expire_jobs(session, now=utcnow() + timedelta(hours=1, seconds=1)) == [int(batch["id"][6:])]
     code, out = _cli("status", batch["id"], "--json")
     expired = orjson.loads(out)
-    assert expired["status"] == "expired" and "note" not in expired["progress"]
+    assert expired["status"] == "expired" and expired["progress"]["note"] is None
     code, out = _cli("results", batch["id"], "-o", str(env / "r.jsonl"), "--errors", str(env / "e.jsonl"))
     errors = [orjson.loads(line) for line in (env / "e.jsonl").read_bytes().splitlines()]
     assert [line["error"]["code"] for line in errors] == ["batch_expired"] * 3

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TypedDict
 
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
@@ -149,7 +149,29 @@ def errors_preview(session: Session, job: Job, *, limit: int = ERRORS_PREVIEW) -
     return out
 
 
-def timeline_view(session: Session, job: Job) -> dict[str, Any]:
+class Timeline(TypedDict):
+    """The tokens/s chart's data (JSON): unix times, tokens per second at each, whether the job ended."""
+
+    at: list[float]
+    tokens_per_second: list[float]
+    final: bool
+
+
+class WorkerRow(TypedDict):
+    """One live worker as the workers table shows it."""
+
+    id: str
+    model: str
+    model_name: str
+    process: str
+    shards: list[int]
+    tokens_per_second: float
+    metrics_port: int | None
+    heartbeat: str
+    busy: bool
+
+
+def timeline_view(session: Session, job: Job) -> Timeline:
     """The tokens/s chart's data: times (unix s) and tokens per second; `final` once the job ended.
 
     Each bucket's rate is drawn at its end (when it was measured), after a 0 at the first claim, so the
@@ -184,10 +206,10 @@ def upload_models(session: Session, *, default_model: str) -> dict[str, str]:
     return model_choices([*served_models(session), default_model])
 
 
-def workers_view(session: Session, *, now: datetime | None = None) -> list[dict[str, Any]]:
+def workers_view(session: Session, *, now: datetime | None = None) -> list[WorkerRow]:
     """Live workers: model, current throughput (their last heartbeat's), shards held, metrics port."""
     now = now or utcnow()
-    rows = []
+    rows: list[WorkerRow] = []
     for worker in list_workers(session, now=now):
         info = worker.info or {}
         age = (now - worker.last_heartbeat_at).total_seconds()
