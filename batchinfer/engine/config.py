@@ -75,6 +75,10 @@ def require_device(device: str) -> None:
                                      "--device cpu, or a cuda:N below that count")
 
 
+# "auto": the model dtype; else kv_quant.FORMATS (int8: per token and head scale; u8: scale and zero point)
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "int8", "u8")
+
+
 @dataclass
 class EngineConfig:
     """Configuration of one engine: model, batching limits, KV cache size, device and dtype."""
@@ -88,6 +92,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30  # KV cache budget on CPU
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"  # auto = bfloat16 on CUDA and on CPUs with native bf16 (see resolved_dtype)
+    # KV cache element type: "auto" (the model dtype) or KV_CACHE_DTYPES' quantized formats (CPU only)
+    kv_cache_dtype: str = "auto"
     quantization: str | None = None  # None, "int8" (int8 weights, fbgemm), "gguf" (a .gguf's own blocks)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     enable_prefix_caching: bool = True
@@ -142,6 +148,7 @@ class EngineConfig:
             raise ValueError(
                 f"quantization={self.quantization!r} runs on CPU only; got device {self.device!r}"
             )
+        self._check_kv_cache_dtype()
         ranks = self.tensor_parallel_size * self.pipeline_parallel_size
         if not quantization.splits_across_ranks and ranks > 1:
             raise ValueError(f"quantization={quantization.name!r} runs with tensor_parallel_size=1 and "
@@ -162,6 +169,16 @@ class EngineConfig:
                 and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config.method: draft_model runs with tensor_parallel_size=1 and "
                              "pipeline_parallel_size=1 only (the n-gram method works at any size)")
+
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype == "uint8":
+            self.kv_cache_dtype = "u8"
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.device.startswith("cuda"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} runs on CPU only (the Triton kernels "
+                             f"read the model dtype); got device {self.device!r}")
 
     def _check_lora(self) -> None:
         if not isinstance(self.enable_lora, bool):

@@ -23,6 +23,7 @@ from torch import nn
 from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.attention_plan import TorchAttentionPlan
 from batchinfer.engine.layers.context import get_context
+from batchinfer.engine.layers.quantized_attention import QuantizedKV, quantized_paged_attention
 
 
 def torch_paged_attention(
@@ -99,6 +100,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
+        self.quantized_kv: QuantizedKV | None = None  # set by the model runner when kv_cache_dtype quantizes
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (rotated) -> attention output [T, H * D]."""
@@ -125,5 +127,8 @@ class Attention(nn.Module):
         else:
             if ctx.torch_plan is None:
                 raise RuntimeError("torch attention backend selected but the step has no torch plan")
-            o = torch_paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.torch_plan, self.scale)
+            if self.quantized_kv is not None:
+                o = quantized_paged_attention(q, k, v, self.quantized_kv, ctx.torch_plan, self.scale)
+            else:
+                o = torch_paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.torch_plan, self.scale)
         return o.reshape(-1, self.num_heads * self.head_dim)

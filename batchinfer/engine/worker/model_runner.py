@@ -33,7 +33,9 @@ from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.attention_plan import build_torch_plan
 from batchinfer.engine.layers.context import AttentionContext, set_context
+from batchinfer.engine.layers.kv_quant import kv_cache_format
 from batchinfer.engine.layers.quantization import pack_weights, quantization_format
+from batchinfer.engine.layers.quantized_attention import QuantizedKV
 from batchinfer.engine.models import get_model_class
 from batchinfer.engine.models.loader import load_weights
 from batchinfer.engine.models.resolved_model import ResolvedModel, resolve_model
@@ -110,9 +112,13 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         # Decode tokens on CPU (fp32/bf16) go to the native kernel (built here, once, rather than mid-step).
+        self.kv_format = kv_cache_format(config.kv_cache_dtype, self.dtype)  # None: the model dtype
+        if self.kv_format is not None and self.attention_backend != "torch":
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: needs the torch attention backend "
+                             "(CPU)")
         self.native_decode = (
             self.attention_backend == "torch" and self.device.type == "cpu"
-            and cpu_attention.supports(self.dtype)
+            and cpu_attention.supports(self.dtype) and self.kv_format is None
         )
         self.model = self._build_model()
         pack_weights(self.model, self.device, config.quantization,  # CPU: oneDNN / int8 / GGUF 4-bit kernels
@@ -132,10 +138,9 @@ class ModelRunner:
             self.lora_manager.attach(self.model)
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
-        self.block_bytes = (
-            2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * self.head_dim
-            * self.dtype.itemsize
-        )
+        row_bytes = (self.head_dim * self.dtype.itemsize if self.kv_format is None
+                     else self.kv_format.bytes_per_row(self.head_dim))
+        self.block_bytes = 2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * row_bytes
         self.decode_graphs = DecodeGraphs(max_num_seqs=config.max_num_seqs,
                                           max_blocks_per_seq=self.max_blocks_per_seq,
                                           max_model_len=self.max_model_len)  # captured below on CUDA
@@ -154,7 +159,7 @@ class ModelRunner:
             )
         self.kv_cache: torch.Tensor | None = self._allocate_kv_cache(self.num_kv_blocks)  # None: released
         # CPU: the decoder stack of a step as one C++ call (None: the Python layer loop runs it)
-        self.native_step = (None if config.enable_lora or self.attention_backend != "torch"
+        self.native_step = (None if config.enable_lora or self.attention_backend != "torch" or self.kv_format
                             else NativeStep.build(self.model, self.dtype, self.device))
         if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
             self.decode_graphs.capture(self.model, hidden_size=self.hf_config.hidden_size, dtype=self.dtype,
@@ -185,12 +190,20 @@ class ModelRunner:
         Zero-filled: the torch path reads padding slots under a -inf mask, and uninitialized memory may hold
         NaN bit patterns, which survive the mask (NaN + -inf = NaN) and would poison the softmax.
         """
+        fmt = self.kv_format
         cache = torch.zeros(
             len(self.attention_layers), 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-            dtype=self.dtype, device=self.device,
+            dtype=self.dtype if fmt is None else fmt.storage, device=self.device,
         )
+        params = None if fmt is None or not fmt.num_params else torch.zeros(
+            len(self.attention_layers), 2, num_blocks, self.block_size, self.num_kv_heads, fmt.num_params,
+            dtype=torch.float32, device=self.device)
         for layer, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = cache[layer, 0], cache[layer, 1]
+            if fmt is not None:
+                attn.quantized_kv = QuantizedKV(fmt, cache[layer, 0], cache[layer, 1],
+                                                None if params is None else params[layer, 0],
+                                                None if params is None else params[layer, 1])
         return cache
 
     def _profile_num_kv_blocks(self) -> int:
