@@ -6,9 +6,12 @@ For each precision beside fp32, on the chat workload of bench/engine_throughput.
   - the mean log-probability per token of a fixed text (the engine's prompt_logprobs, no prefix cache
     involved) and its relative delta to fp32's; targets: <= 1% bf16, <= 3% int8.
 A precision the engine cannot run yet is skipped with the reason.
+With --kv-cache-dtype (repeatable), the rows are instead KV cache dtypes (EngineConfig.kv_cache_dtype) at
+the bf16 model dtype, against the bf16 cache (#34).
 
     .venv/bin/python bench/quality.py
     .venv/bin/python bench/quality.py --num-prompts 16 --max-tokens 64        # quick
+    .venv/bin/python bench/quality.py --kv-cache-dtype int8 --kv-cache-dtype u8 --kv-cache-dtype fp8_e4m3
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from chat_workload import MODEL_ALIAS, build_workload, engine_options, load_line
 
 # precision -> the largest relative delta of the fixed text's mean logprob vs fp32 (issue 21)
 LOGPROB_TARGETS = {"bf16": 0.01, "int8": 0.03}
+KV_LOGPROB_TARGET = 0.01  # a quantized KV cache vs the bf16 cache: within bf16's own budget vs fp32
 # The fixed text: plain English prose of a few hundred tokens, nothing the model was asked to generate.
 FIXED_TEXT = (
     "The lighthouse stood at the end of a long stone pier, its white paint flaking in the salt wind. Every "
@@ -65,7 +69,10 @@ def run_precision(precision: str, prompts, budgets, text_ids: list[int], args):
     from batchinfer.engine.llm import LLM
     from batchinfer.engine.sampling_params import SamplingParams
 
-    options, skipped = engine_options(precision, args.int8_dtype)
+    if precision.startswith("kv:"):  # a KV cache dtype at the bf16 model dtype
+        options, skipped = {"dtype": "bfloat16", "kv_cache_dtype": precision[3:]}, None
+    else:
+        options, skipped = engine_options(precision, args.int8_dtype)
     if skipped:
         return skipped
     try:
@@ -91,6 +98,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--precision", action="append", choices=sorted(LOGPROB_TARGETS),
                         help="precisions to compare with fp32 (repeatable; default: all)")
+    parser.add_argument("--kv-cache-dtype", action="append", choices=["bf16", "fp8_e4m3", "int8", "u8"],
+                        help="compare KV cache dtypes with the bf16 cache instead (repeatable)")
     parser.add_argument("--int8-dtype", default="auto", help="compute dtype of the int8 row")
     args = parser.parse_args()
 
@@ -104,12 +113,14 @@ def main() -> None:
     print(f"workload: {len(prompts)} chat prompts, max_tokens {args.min_tokens}..{args.max_tokens}, greedy, "
           f"stop at EOS; fixed text: {len(text_ids)} tokens")
     start = time.perf_counter()
-    reference = run_precision("fp32", prompts, budgets, text_ids, args)
+    base = "kv:bf16" if args.kv_cache_dtype else "fp32"
+    reference = run_precision(base, prompts, budgets, text_ids, args)
     assert not isinstance(reference, str), reference
     ref_outputs, ref_logprob = reference
-    print(f"fp32: fixed-text mean logprob {ref_logprob:.4f}")
+    print(f"{base}: fixed-text mean logprob {ref_logprob:.4f}")
     rows = []
-    for precision in args.precision or list(LOGPROB_TARGETS):
+    kv_rows = [f"kv:{name}" for name in args.kv_cache_dtype or () if name != "bf16"]
+    for precision in kv_rows or args.precision or list(LOGPROB_TARGETS):
         result = run_precision(precision, prompts, budgets, text_ids, args)
         if isinstance(result, str):
             print(f"{precision}: skipped: {result}")
@@ -118,7 +129,7 @@ def main() -> None:
         outputs, logprob = result
         same, mean_prefix, mean_diverging = divergence(ref_outputs, outputs)
         delta = abs(logprob - ref_logprob) / abs(ref_logprob)
-        target = LOGPROB_TARGETS[precision]
+        target = LOGPROB_TARGETS.get(precision, KV_LOGPROB_TARGET)
         verdict = "met" if delta <= target else "missed"
         print(f"{precision}: {same:.1%} identical greedy outputs; {mean_prefix:.1f} tokens before the first "
               f"divergence on average ({mean_diverging:.1f} over the diverging ones); fixed-text mean "
@@ -127,7 +138,7 @@ def main() -> None:
                     f"{logprob:.4f} vs {ref_logprob:.4f} | {delta:.2%} (<= {target:.0%}, {verdict}) |")
     print(f"end: {load_line()} ({time.perf_counter() - start:.0f}s)")
     print()
-    print(f"| vs fp32, {len(prompts)} prompts, greedy | identical outputs | mean tokens before the first "
+    print(f"| vs {base}, {len(prompts)} prompts, greedy | identical outputs | mean tokens before the first "
           "divergence (diverging only) | fixed-text mean logprob | relative delta (target) |")
     print("|---|---:|---:|---:|---:|")
     print("\n".join(rows))
