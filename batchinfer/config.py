@@ -41,8 +41,9 @@ OTHER_ENV_VARS = frozenset({
     "BATCHINFER_CPU_ATTENTION",  # "sdpa" selects the pure-torch CPU attention (engine.layers.cpu_attention)
     "BATCHINFER_CPU_LINEAR",     # "aten": no oneDNN weight prepacking (engine.layers.weight_packing)
     "BATCHINFER_CPU_FUSED",      # "0": no fused CPU rotary / SiLU-and-mul (engine.layers.cpu_attention)
-    "BATCHINFER_KERNEL_DIR",     # where native CPU kernels are built and found (engine.layers.native_build)
-    CHOSEN_MARKER,               # the OpenMP variables batchinfer chose, for child processes (engine.threads)
+    "BATCHINFER_KERNEL_DIR",     # where native CPU kernels are built and found (engine.native.build)
+    "BATCHINFER_CPU_NATIVE_STEP",  # "0": the Python layer loop, not the native step (engine.worker.native_step)
+    CHOSEN_MARKER,               # the OpenMP variables batchinfer chose, for child processes (engine.native.threads)
 })
 TEST_ENV_PREFIX = "BATCHINFER_TEST_"  # the test suite's own servers (tests/conftest.py)
 
