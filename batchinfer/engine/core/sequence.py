@@ -12,9 +12,14 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchinfer.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from batchinfer.engine.lora.request import LoRARequest
 
 
 class SequenceStatus(enum.Enum):
@@ -78,7 +83,7 @@ class Sequence:
         arrival_time: float = 0.0,
         priority: int = 0,
         cache_salt: str | None = None,
-        lora_request: Any = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -108,7 +113,7 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, Any] | None] | None = (
             [None] if params.prompt_logprobs is not None and index == 0 else None
         )
-        self.generator: Any = None  # torch.Generator for seeded sampling, created by the sampler
+        self.generator: torch.Generator | None = None  # for seeded sampling, created by the sampler
         self.detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
         self.grammar: Any = None  # structured.GrammarState of a constrained request, set by the engine
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words tokenized, set by the engine

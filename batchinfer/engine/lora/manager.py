@@ -19,6 +19,7 @@ from batchinfer.engine.lora.adapter import TARGET_MODULES, LoRAAdapter, LoRAErro
 from batchinfer.engine.lora.layers import LoRABatch, StackCache, build_lora_batch
 from batchinfer.engine.lora.request import LoRARequest
 from batchinfer.engine.parallel.distributed import tp_rank, tp_world_size
+from batchinfer.engine.worker.runner_protocol import ScheduledSequence
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class LoRAManager:
                         request.lora_path, adapter.rank, adapter.num_bytes / 2**20)
         return adapter
 
-    def batch_for(self, scheduled: Sequence[tuple[Any, int]]) -> LoRABatch | None:
+    def batch_for(self, scheduled: Sequence[tuple[ScheduledSequence, int]]) -> LoRABatch | None:
         """The step's LoRABatch (None when no scheduled sequence runs under an adapter)."""
         requests = [getattr(seq, "lora_request", None) for seq, _ in scheduled]
         if not any(requests):

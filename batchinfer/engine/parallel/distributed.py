@@ -23,14 +23,21 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import shared_memory
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from multiprocessing.synchronize import Event
+
+    from batchinfer.engine.lora.request import LoRARequest
+    from batchinfer.engine.worker.runner_protocol import ScheduledSequence
 
 # Step channel commands (header word 0).
 CMD_STEP = 1
@@ -48,7 +55,7 @@ class _TPState:
     rank: int = 0
     world_size: int = 1
     # Under pipeline parallelism: this stage's group (None = the default group) and its rank 0's global rank.
-    group: Any = None
+    group: dist.ProcessGroup | None = None
     leader: int = 0
 
 
@@ -93,7 +100,9 @@ def init_tensor_parallel(rank: int, world_size: int, *, backend: str, init_metho
     _STATE.rank, _STATE.world_size = rank, world_size
 
 
-def use_tensor_parallel_group(group: Any, rank: int, world_size: int, *, leader: int) -> None:
+def use_tensor_parallel_group(
+    group: dist.ProcessGroup | None, rank: int, world_size: int, *, leader: int
+) -> None:
     """Make `group` (one pipeline stage's ranks, already created) the one the layers' collectives use."""
     if _STATE.world_size != 1:
         raise RuntimeError("a tensor-parallel engine is already running in this process; close() it first")
@@ -153,20 +162,22 @@ class StepChannel:
     A worker's channel keeps the adapters announced to it (`loras`) to give its sequences their request.
     """
 
-    def __init__(self, capacity_words: int, events: list[Any], name: str | None = None) -> None:
+    def __init__(self, capacity_words: int, events: list[Event], name: str | None = None) -> None:
         size = (_HEADER + capacity_words) * 4
         self.owner = name is None
         self.shm = shared_memory.SharedMemory(name=name, create=self.owner, size=size if self.owner else 0)
         self.words = np.ndarray((self.shm.size // 4,), dtype=np.int32, buffer=self.shm.buf)
         self.events = events
-        self.loras: dict[int, Any] = {}  # worker: lora_int_id -> LoRARequest announced (CMD_ADD_LORA)
+        self.loras: dict[int, LoRARequest] = {}  # worker: lora_int_id -> LoRARequest announced (CMD_ADD_LORA)
 
     @property
     def name(self) -> str:
         """The shared-memory segment's name (workers attach by it)."""
         return self.shm.name
 
-    def send_step(self, scheduled: list[tuple[Any, int]], logits_counts: list[int] | None = None) -> None:
+    def send_step(
+        self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None
+    ) -> None:
         """Rank 0: publish a step (list of (seq, num_new), and the logits asked per entry) to every worker."""
         start = time.perf_counter()
         meta: list[int] = []
@@ -210,7 +221,7 @@ class StepChannel:
         for event in self.events:
             event.set()
 
-    def send_add_lora(self, request: Any) -> None:
+    def send_add_lora(self, request: LoRARequest) -> None:
         """Rank 0: announce a LoRA adapter (a LoRARequest); then join all_reduce_min_int with the workers."""
         data = json.dumps([request.lora_name, request.lora_path]).encode()
         words = np.frombuffer(data + bytes(-len(data) % 4), dtype=np.int32)
@@ -229,7 +240,9 @@ class StepChannel:
         for event in self.events:
             event.set()
 
-    def receive(self, event: Any) -> tuple[list[tuple[Any, int]], list[int]] | EmbedInput | AddLoRA | None:
+    def receive(
+        self, event: Event
+    ) -> tuple[list[tuple[StepSequence, int]], list[int]] | EmbedInput | AddLoRA | None:
         """Worker: wait for the next command: a step ((stand-in sequence, num_new) list and logits counts),
         an embeddings input, a LoRA adapter, or None (exit)."""
         event.wait()
@@ -253,7 +266,8 @@ class StepChannel:
         tokens = w[offset : offset + num_tokens].tolist()
         offset += num_tokens
         blocks = w[offset : offset + num_blocks].tolist()
-        scheduled, counts = [], []
+        scheduled: list[tuple[StepSequence, int]] = []
+        counts: list[int] = []
         token_at = block_at = 0
         for i in range(num_seqs):
             begin, num_new, nb, count, lora_id = meta[_META * i : _META * (i + 1)]
@@ -277,7 +291,7 @@ class StepChannel:
 class AddLoRA:
     """A LoRA adapter announced to a worker rank: it loads its share (then joins all_reduce_min_int)."""
 
-    request: Any  # lora.request.LoRARequest
+    request: LoRARequest
 
 
 @dataclass
@@ -308,7 +322,7 @@ class _TokenWindow:
 class StepSequence:
     """The Sequence fields the model runner reads (ARCHITECTURE.md, contract 2), rebuilt on a worker."""
 
-    token_ids: Any
+    token_ids: _TokenWindow
     num_computed_tokens: int
     block_table: list[int]
-    lora_request: Any = None  # the LoRARequest announced under the step's LoRA id (None: the base model)
+    lora_request: LoRARequest | None = None  # announced under the step's LoRA id (None: the base model)

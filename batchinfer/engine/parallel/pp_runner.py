@@ -31,7 +31,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,17 @@ from batchinfer.engine.parallel.pp_stage import (
 )
 from batchinfer.engine.parallel.rank_processes import RankProcess, spawn_rank, wait_started
 from batchinfer.engine.parallel.tp_runner import _free_port, check_tensor_parallel_size, rank_device
-from batchinfer.engine.worker.runner_protocol import EMBEDDINGS_NEED_ONE_STAGE, LORA_NEEDS_ONE_RANK
+from batchinfer.engine.worker.runner_protocol import (
+    EMBEDDINGS_NEED_ONE_STAGE,
+    LORA_NEEDS_ONE_RANK,
+    ScheduledSequence,
+)
+
+if TYPE_CHECKING:
+    from multiprocessing.context import SpawnProcess
+
+    from batchinfer.engine.lora.request import LoRARequest
+    from batchinfer.engine.parallel.ray_executor import RayLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +109,7 @@ def split_micro_batches(num_new: list[int], parts: int) -> list[tuple[int, int]]
 
 
 def check_step(
-    scheduled: list[tuple[Any, int]], counts: list[int], max_model_len: int, block_size: int
+    scheduled: list[tuple[ScheduledSequence, int]], counts: list[int], max_model_len: int, block_size: int
 ) -> None:
     """ModelRunner's checks of a step, made before any micro-batch leaves rank 0 (a half-sent step would
     leave the stages out of step)."""
@@ -189,12 +199,12 @@ class PipelineParallelRunner:
         """Refused at once, before any rank is involved: no single stage holds the final hidden state."""
         raise ValueError(EMBEDDINGS_NEED_ONE_STAGE)
 
-    def add_lora(self, lora_request: Any) -> None:
+    def add_lora(self, lora_request: LoRARequest) -> None:
         """Refused: adapters run on one rank (EngineConfig refuses enable_lora here before this)."""
         raise ValueError(LORA_NEEDS_ONE_RANK)
 
     def execute_model(
-        self, scheduled: Sequence[tuple[Any, int]], logits_counts: Sequence[int] | None = None
+        self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Run one step through every stage; float32 logits as ModelRunner's."""
         runner = self._rank0()
@@ -214,10 +224,10 @@ class PipelineParallelRunner:
             self._fail(exc, self._wait_for_death())
 
     def _run_step(
-        self, runner: StageRunner, scheduled: list[tuple[Any, int]], counts: list[int]
+        self, runner: StageRunner, scheduled: list[tuple[ScheduledSequence, int]], counts: list[int]
     ) -> torch.Tensor:
         control = self.groups.control
-        sends: list[tuple[Any, torch.Tensor]] = []  # in flight, with the tensors they read
+        sends: list[tuple[dist.Work | None, torch.Tensor]] = []  # in flight, with the tensors they read
         logits: list[torch.Tensor] = []
         num_new = [n for _, n in scheduled]
         parts = min(self.num_micro_batches, max(1, sum(num_new) // self.min_micro_batch_tokens))
@@ -300,7 +310,7 @@ class PipelineParallelRunner:
         return peers + ([self.topology.rank(1, 0)] if self.topology.pp_size > 1 else [])
 
 
-def _make_launcher(config: EngineConfig) -> Any:
+def _make_launcher(config: EngineConfig) -> ProcessLauncher | RayLauncher:
     if config.distributed_executor_backend == "ray":
         from batchinfer.engine.parallel.ray_executor import RayLauncher
 
@@ -312,7 +322,7 @@ class ProcessLauncher:
     """Ranks 1..N-1 as local processes (rank_processes.py: spawned, never forked)."""
 
     def __init__(self) -> None:
-        self.processes: list[Any] = []
+        self.processes: list[SpawnProcess] = []
         self._ranks: list[RankProcess] = []
         self.threads_per_rank = 1
 

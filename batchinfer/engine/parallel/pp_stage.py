@@ -34,7 +34,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ from batchinfer.engine.models.resolved_model import ResolvedModel
 from batchinfer.engine.parallel import distributed
 from batchinfer.engine.parallel.distributed import CMD_EXIT, CMD_STEP, StepSequence, _TokenWindow
 from batchinfer.engine.worker.model_runner import ModelRunner, _default_dtype
-from batchinfer.engine.worker.runner_protocol import EMBEDDINGS_NEED_ONE_STAGE
+from batchinfer.engine.worker.runner_protocol import EMBEDDINGS_NEED_ONE_STAGE, ScheduledSequence
 
 if TYPE_CHECKING:  # the one architecture; imported for types only
     from batchinfer.engine.models.llama import LlamaForCausalLM
@@ -113,8 +113,8 @@ class Topology:
 class PipelineGroups:
     """The process groups a rank talks on: control (headers, layouts; None = default group), its TP group."""
 
-    control: Any
-    tensor_parallel: Any
+    control: dist.ProcessGroup | None
+    tensor_parallel: dist.ProcessGroup | None
 
 
 def init_pipeline(rank: int, topology: Topology, *, backend: str, init_method: str) -> PipelineGroups:
@@ -147,8 +147,10 @@ def destroy_pipeline() -> None:
     distributed.destroy_tensor_parallel()
 
 
-def wait_for(work: Any, what: str) -> None:
+def wait_for(work: dist.Work | None, what: str) -> None:
     """Wait for one send/recv of a step, at most STEP_TIMEOUT_S (a gloo timeout closes the link: fatal)."""
+    if work is None:  # torch returns no Work to a rank outside the group: a wiring bug, never a peer's
+        raise RankFailedError(f"{what}: this rank is not in the group it sent or received on")
     try:
         work.wait(timeout=timedelta(seconds=STEP_TIMEOUT_S))
     except RuntimeError as exc:
@@ -158,7 +160,7 @@ def wait_for(work: Any, what: str) -> None:
 # --- the wire format of a micro-batch ----------------------------------------------------------------
 
 
-def encode_layout(scheduled: list[tuple[Any, int]], counts: list[int]) -> torch.Tensor:
+def encode_layout(scheduled: Sequence[tuple[ScheduledSequence, int]], counts: list[int]) -> torch.Tensor:
     """int32 [S, T, B, per-entry meta, new token ids, block tables] of a micro-batch."""
     meta: list[int] = []
     tokens: list[int] = []
@@ -172,13 +174,14 @@ def encode_layout(scheduled: list[tuple[Any, int]], counts: list[int]) -> torch.
     return torch.tensor(words, dtype=torch.int32)
 
 
-def decode_layout(layout: torch.Tensor) -> tuple[list[tuple[Any, int]], list[int], int]:
+def decode_layout(layout: torch.Tensor) -> tuple[list[tuple[StepSequence, int]], list[int], int]:
     """(stand-in (sequence, num_new) entries, logits counts, new tokens in all) of an encoded layout."""
     words = layout.tolist()
     num_seqs, num_tokens, _ = words[:_LAYOUT_HEAD]
     meta_end = _LAYOUT_HEAD + _META * num_seqs
     token_at, block_at = meta_end, meta_end + num_tokens
-    scheduled, counts = [], []
+    scheduled: list[tuple[StepSequence, int]] = []
+    counts: list[int] = []
     for i in range(num_seqs):
         begin, num_new, num_blocks, count = words[_LAYOUT_HEAD + _META * i : _LAYOUT_HEAD + _META * (i + 1)]
         window = _TokenWindow(begin, words[token_at : token_at + num_new])
@@ -239,7 +242,10 @@ class StageRunner(ModelRunner):
 
     @torch.inference_mode()
     def run_stage(
-        self, scheduled: list[tuple[Any, int]], counts: list[int] | None, hidden_states: torch.Tensor | None
+        self,
+        scheduled: Sequence[tuple[ScheduledSequence, int]],
+        counts: list[int] | None,
+        hidden_states: torch.Tensor | None,
     ) -> torch.Tensor:
         """This stage's layers over a micro-batch: the residual stream [T, hidden], or (last stage) logits."""
         batch = self._prepare(scheduled, counts)
@@ -258,13 +264,13 @@ class StageRunner(ModelRunner):
         return logits.float()
 
     def execute_model(
-        self, scheduled: Sequence[tuple[Any, int]], logits_counts: Sequence[int] | None = None
+        self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None
     ) -> torch.Tensor:
         """The stage alone (the CUDA profiling forward calls this)."""
         counts = None if logits_counts is None else list(logits_counts)
         return self.run_stage(list(scheduled), counts, None)
 
-    def embed(self, token_id_lists: Any) -> list[list[float]]:
+    def embed(self, token_id_lists: Sequence[list[int]]) -> list[list[float]]:
         """Embeddings pool the final hidden state, which no single stage has."""
         raise ValueError(EMBEDDINGS_NEED_ONE_STAGE)
 
@@ -283,7 +289,7 @@ def serve_stage(runner: StageRunner, topology: Topology, rank: int, groups: Pipe
     stage, tp_rank = topology.coords(rank)
     source = 0 if stage == 0 else topology.rank(stage - 1, tp_rank)
     target = topology.rank(stage + 1, tp_rank) if stage + 1 < topology.pp_size else None
-    pending: list[tuple[Any, torch.Tensor]] = []  # this rank's sends in flight, with the tensors they read
+    pending: list[tuple[dist.Work | None, torch.Tensor]] = []  # sends in flight, with the tensors they read
     while True:
         head = torch.empty(HEADER_WORDS, dtype=torch.int64)
         dist.recv(head, src=source, group=groups.control)  # idle between steps: no step deadline
@@ -310,7 +316,7 @@ def serve_stage(runner: StageRunner, topology: Topology, rank: int, groups: Pipe
             pending = [(dist.isend(out, dst=0), out)]
 
 
-def _finish(pending: list[tuple[Any, torch.Tensor]], what: str) -> None:
+def _finish(pending: list[tuple[dist.Work | None, torch.Tensor]], what: str) -> None:
     for work, _ in pending:
         wait_for(work, what)
     pending.clear()

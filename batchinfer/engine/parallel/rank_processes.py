@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Any
+from multiprocessing.context import SpawnProcess
+from multiprocessing.synchronize import Event
 
 from batchinfer.engine.errors import RankFailedError
 
@@ -31,11 +32,11 @@ CONTEXT = mp.get_context("spawn")
 class RankProcess:
     """A started rank process and the event it sets once it runs its target."""
 
-    process: Any  # multiprocessing's SpawnProcess
-    started: Any  # multiprocessing's Event
+    process: SpawnProcess
+    started: Event
 
 
-def spawn_rank(name: str, target: Callable[..., None], args: tuple[Any, ...]) -> RankProcess:
+def spawn_rank(name: str, target: Callable[..., None], args: tuple[object, ...]) -> RankProcess:
     """Start target(*args) in a daemonic spawned process named `name`, without re-running __main__."""
     started = CONTEXT.Event()
     process = CONTEXT.Process(target=_run_rank, args=(started, target, args), name=name, daemon=True)
@@ -55,7 +56,7 @@ def wait_started(ranks: list[RankProcess], *, what: str) -> None:
         wait([rank.process.sentinel for rank in pending], timeout=0.05)
 
 
-def _run_rank(started: Any, target: Callable[..., None], args: tuple[Any, ...]) -> None:
+def _run_rank(started: Event, target: Callable[..., None], args: tuple[object, ...]) -> None:
     started.set()
     target(*args)
 
@@ -71,7 +72,7 @@ def _main_script_hidden() -> Iterator[None]:
     if main is None:
         yield
         return
-    saved: dict[str, Any] = {
+    saved: dict[str, object] = {
         key: main.__dict__[key] for key in ("__file__", "__spec__") if key in main.__dict__
     }
     main.__dict__.pop("__file__", None)

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import socket
+from types import ModuleType
 from typing import Any
 
 from batchinfer.engine.config import EngineConfig
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0  # a cluster that cannot place a stage's bundles by then is too small
 
 
-def _ray() -> Any:
+def _ray() -> ModuleType:
     try:
         import ray
     except ImportError as exc:
@@ -92,7 +93,9 @@ class RayLauncher:
         for stage in range(topology.pp_size):
             first = 1 if stage == 0 else 0  # stage 0's rank 0 is this process
             if stage == 0:
-                strategy: Any = NodeAffinitySchedulingStrategy(node_id=here, soft=False)
+                strategy: NodeAffinitySchedulingStrategy | PlacementGroupSchedulingStrategy = (
+                    NodeAffinitySchedulingStrategy(node_id=here, soft=False)
+                )
             else:
                 group = ray.util.placement_group([bundle] * topology.tp_size, strategy="STRICT_PACK")
                 self.placement_groups.append(group)

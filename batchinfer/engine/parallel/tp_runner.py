@@ -28,7 +28,7 @@ import math
 import os
 import socket
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,13 @@ from batchinfer.engine.models.resolved_model import ResolvedModel, resolve_model
 from batchinfer.engine.parallel import distributed
 from batchinfer.engine.parallel.rank_processes import CONTEXT, RankProcess, spawn_rank, wait_started
 from batchinfer.engine.worker.model_runner import ModelRunner
+from batchinfer.engine.worker.runner_protocol import ScheduledSequence
+
+if TYPE_CHECKING:
+    from multiprocessing.context import SpawnProcess
+    from multiprocessing.synchronize import Event
+
+    from batchinfer.engine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +113,7 @@ class TensorParallelRunner:
             model = resolve_model(config, with_tokenizer=False)
         self.closed = False
         self.runner: ModelRunner | None = None
-        self.workers: list[Any] = []  # the worker ranks' processes
+        self.workers: list[SpawnProcess] = []  # the worker ranks' processes
         self._ranks: list[RankProcess] = []
         self.channel: distributed.StepChannel | None = None
         self._joined = False
@@ -156,7 +163,7 @@ class TensorParallelRunner:
         return self.runner
 
     def execute_model(
-        self, scheduled: Sequence[tuple[Any, int]], logits_counts: Sequence[int] | None = None
+        self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Publish the step to the workers, run rank 0's share; float32 logits as ModelRunner's."""
         runner, channel = self._rank0(), self._channel()
@@ -177,7 +184,7 @@ class TensorParallelRunner:
             vectors += runner.embed([ids])
         return vectors
 
-    def add_lora(self, lora_request: Any) -> None:
+    def add_lora(self, lora_request: LoRARequest) -> None:
         """Check the adapter on rank 0 (its share; shapes whole), then have every worker load its share."""
         runner, channel = self._rank0(), self._channel()
         runner.add_lora(lora_request)  # a LoRAError here (or the same-id check): nothing was sent
@@ -230,7 +237,7 @@ def _worker_main(
     backend: str,
     init_method: str,
     shm_name: str,
-    event: Any,
+    event: Event,
     threads: int,
 ) -> None:
     """A worker rank: join the group, build this rank's ModelRunner, run steps until told to exit."""

@@ -10,10 +10,12 @@ Import-light: torch is named for type checkers only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+    from batchinfer.engine.lora.request import LoRARequest
 
 # What a runner that cannot pool embeddings raises (Engine.embed turns it into the line's error).
 EMBEDDINGS_NEED_ONE_STAGE = (
@@ -22,6 +24,30 @@ EMBEDDINGS_NEED_ONE_STAGE = (
 )
 # What a pipeline runner raises for a LoRA adapter (EngineConfig refuses enable_lora with stages first).
 LORA_NEEDS_ONE_RANK = "enable_lora: LoRA adapters run with pipeline_parallel_size=1 only"
+
+
+class TokenIds(Protocol):
+    """A sequence's token ids as a runner reads them: a length and the slice of the step's new tokens."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+
+class ScheduledSequence(Protocol):
+    """The Sequence fields a runner reads (contract 2): a core Sequence, or a worker's StepSequence."""
+
+    @property
+    def token_ids(self) -> TokenIds: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def block_table(self) -> list[int]: ...
+
+    @property
+    def lora_request(self) -> LoRARequest | None: ...
 
 
 class ModelRunnerProtocol(Protocol):
@@ -38,7 +64,7 @@ class ModelRunnerProtocol(Protocol):
         ...
 
     def execute_model(
-        self, scheduled: Sequence[tuple[Any, int]], logits_counts: Sequence[int] | None = None
+        self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Run one step of (sequence, new tokens); float32 logits [sum(logits_counts), vocab].
 
@@ -54,7 +80,7 @@ class ModelRunnerProtocol(Protocol):
         """
         ...
 
-    def add_lora(self, lora_request: Any) -> None:
+    def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check a request's LoRA adapter; ValueError when it cannot run here."""
         ...
 
