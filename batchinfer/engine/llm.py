@@ -117,12 +117,12 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        messages: list[dict[str, object]] | list[list[dict[str, object]]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, object] | None = None,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate (lora_request: as

@@ -15,15 +15,18 @@ output token is decoded with its left context too.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchinfer.engine.sampling.stop_matcher import stop_matcher
 from batchinfer.engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 INITIAL_CONTEXT_TOKENS = 5  # prompt tokens decoded as left context of the first output token
 
 
-def _rust_backend(tokenizer: Any) -> Any:
+def _rust_backend(tokenizer: Any) -> Tokenizer | None:
     """The `tokenizers.Tokenizer` behind a fast tokenizer whose decode is transformers' own, else None.
 
     Its decode(ids, skip_special_tokens) is exactly what transformers' fast decode returns with

@@ -12,7 +12,9 @@ from batchinfer.engine.core.block_manager import cdiv
 from batchinfer.engine.sampling_params import SamplingParams
 
 
-def prompt_token_ids(tokenizer: Any, prompt: Any, *, vocab_size: int, add_special_tokens: bool) -> list[int]:
+def prompt_token_ids(
+    tokenizer: Any, prompt: object, *, vocab_size: int, add_special_tokens: bool
+) -> list[int]:
     """Token ids of a prompt given as text or ids (ids are checked against the vocabulary)."""
     if isinstance(prompt, str):
         token_ids = list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))

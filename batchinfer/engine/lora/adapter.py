@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from batchinfer.engine.layers.partition import local_kv_heads
+from batchinfer.engine.model_files import JsonObject
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -122,7 +123,7 @@ class LoRAAdapter:
         return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
 
 
-def read_adapter_config(path: Path) -> dict[str, Any]:
+def read_adapter_config(path: Path) -> JsonObject:
     """adapter_config.json, checked for the options this engine runs (LoRA, no DoRA, no bias, ...)."""
     config_file = path / ADAPTER_CONFIG
     if not path.is_dir():
@@ -181,9 +182,12 @@ def adapter_fingerprint(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def lora_scaling(config: dict[str, Any], rank: int) -> float:
+def lora_scaling(config: JsonObject, rank: int) -> float:
     """lora_alpha / r, or lora_alpha / sqrt(r) when the adapter was trained with use_rslora."""
-    alpha = float(config["lora_alpha"])
+    lora_alpha = config["lora_alpha"]
+    if not isinstance(lora_alpha, int | float):  # read_adapter_config refuses such a config first
+        raise LoRAError(f"{ADAPTER_CONFIG}: lora_alpha", f"must be a positive number; got {lora_alpha!r}")
+    alpha = float(lora_alpha)
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -18,6 +18,12 @@ from batchinfer.engine.model_files import load_hf_config as load_hf_config
 from batchinfer.engine.model_files import required_gguf_source as required_gguf_source
 from batchinfer.engine.model_files import resolve_model_path as resolve_model_path
 from batchinfer.engine.model_files import safetensors_files
+
+if TYPE_CHECKING:
+    from batchinfer.engine.models.llama import LlamaForCausalLM
+
+# Which slice of a fused module a checkpoint tensor fills (packed_modules_mapping): 'q'/'k'/'v', 0/1.
+ShardId = str | int
 
 # Checkpoint tensors that are buffers recomputed by the model, never weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -50,8 +56,8 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
 
     path = Path(path)
     params = dict(model.named_parameters())  # a tied head is not listed separately
-    packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
-    expected: set[tuple[str, Any]] = set()
+    packed: dict[str, tuple[str, ShardId]] = getattr(model, "packed_modules_mapping", {})
+    expected: set[tuple[str, ShardId | None]] = set()
     for name in params:
         fused = [(key, shard) for key, (module, shard) in packed.items() if f".{module}." in name]
         if fused:
@@ -61,7 +67,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
     tied = bool(getattr(model, "tie_word_embeddings", False))
     elsewhere = getattr(model, "skips_checkpoint_tensor", None)  # a pipeline stage: other stages' tensors
     split = tp_world_size() > 1
-    loaded: set[tuple[str, Any]] = set()
+    loaded: set[tuple[str, ShardId | None]] = set()
     for file in safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as checkpoint:
             for ckpt_name in checkpoint.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
@@ -94,7 +100,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
     missing = expected - loaded
     head = ("lm_head.weight", None)
     if head in missing and hasattr(model, "lm_head") and hasattr(model, "model"):
-        hf_model = cast(Any, model)  # an architecture of models/: lm_head and model.embed_tokens
+        hf_model = cast("LlamaForCausalLM", model)  # an architecture of models/ (lm_head, embed_tokens)
         hf_model.lm_head.tie_to(hf_model.model.embed_tokens)  # checkpoint without a head: tied embeddings
         missing.discard(head)
     if missing:
