@@ -20,9 +20,12 @@ import weakref
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
-_Item = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+# The queue mixes calls of every result type: its futures are Future[Any] (each caller holds a Future[_T])
+_Item = tuple[Future[Any], Callable[..., object], tuple[object, ...], dict[str, object]]
 
 
 class FairPool:
@@ -43,9 +46,10 @@ class FairPool:
             thread.start()
         atexit.register(_finish_at_exit, weakref.ref(self))
 
-    def submit(self, owner: str | None, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+    def submit(self, owner: str | None, fn: Callable[_P, _T], /,
+               *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
         """Queue fn(*args, **kwargs) for `owner`; its Future. RuntimeError once shut down."""
-        future: Future[Any] = Future()
+        future: Future[_T] = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("cannot submit to a FairPool that was shut down")

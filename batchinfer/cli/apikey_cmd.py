@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime
+from typing import TYPE_CHECKING, TypedDict
 
 import click
 
 from batchinfer.cli.output import emit, fail, json_option
+
+if TYPE_CHECKING:
+    from batchinfer.store.models import ApiKey
+
+
+class KeyObject(TypedDict):
+    """A key's public fields, as `apikey create|list|revoke` print them."""
+
+    id: int
+    name: str | None
+    owner: str
+    prefix: str
+    created_at: str | None
+    last_used_at: str | None
+    revoked_at: str | None
+    admin: bool
+    weight: float
 
 
 def _session():  # noqa: ANN202 - sqlalchemy is imported lazily
@@ -18,10 +36,10 @@ def _session():  # noqa: ANN202 - sqlalchemy is imported lazily
     return session_factory(prepare_database(cli_settings(), migrate=True))()
 
 
-def _key_object(row: Any) -> dict[str, Any]:
+def _key_object(row: ApiKey) -> KeyObject:
     """A key's public fields (never the key itself)."""
 
-    def when(value: Any) -> str | None:
+    def when(value: datetime | None) -> str | None:
         return value.isoformat() if value is not None else None
 
     return {"id": row.id, "name": row.name, "owner": row.owner, "prefix": row.prefix,

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import click
 
@@ -141,7 +142,10 @@ submit_options = [
 ]
 
 
-def _with_submit_options(func: Any) -> Any:
+_Command = TypeVar("_Command", bound=Callable[..., object])
+
+
+def _with_submit_options(func: _Command) -> _Command:
     for option in reversed(submit_options):
         func = option(func)
     return func

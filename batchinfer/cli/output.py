@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import click
 import orjson
 from pydantic import BaseModel, SecretStr
+
+from batchinfer.wire.json_types import JSONValue
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 EXIT_PARTIAL, EXIT_FAILED, EXIT_CANCELLED, EXIT_EXPIRED, EXIT_TIMEOUT = 3, 4, 5, 6, 7
@@ -54,12 +57,12 @@ def json_mode() -> bool:
     return bool(ctx and ctx.meta.get(_JSON_KEY))
 
 
-def dumps(value: Any) -> str:
+def dumps(value: object) -> str:
     """One line of JSON (datetimes and paths included)."""
     return orjson.dumps(value, default=_default).decode()
 
 
-def _default(value: Any) -> Any:
+def _default(value: object) -> str | JSONValue:
     if isinstance(value, Path | SecretStr):
         return str(value)  # a SecretStr prints masked
     if isinstance(value, BaseModel):  # a typed wire object (batchinfer.wire): the Batch object, say
@@ -67,7 +70,7 @@ def _default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def emit(value: dict[str, Any], text: str | None = None, *, err: bool = False) -> None:
+def emit(value: Mapping[str, object], text: str | None = None, *, err: bool = False) -> None:
     """Print `value` as one JSON line under --json, else `text` (nothing when text is None)."""
     if json_mode():
         click.echo(dumps(value), err=err)
@@ -86,9 +89,9 @@ def stdout_to_stderr() -> None:
 
 
 def error_object(message: str, *, exit_code: int, type: str = "error",  # noqa: A002
-                 param: str | None = None, line: int | None = None) -> dict[str, Any]:
+                 param: str | None = None, line: int | None = None) -> dict[str, object]:
     """The JSON shape of an error under --json (`param`, `line`: the field and input line at fault)."""
-    error: dict[str, Any] = {"message": message, "type": type}
+    error: dict[str, str | int | None] = {"message": message, "type": type}
     if param is not None or line is not None:
         error.update(param=param, line=line)
     return {"error": error, "exit_code": exit_code}

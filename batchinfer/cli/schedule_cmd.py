@@ -5,16 +5,41 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import click
 import orjson
 
 from batchinfer.cli.output import emit, fail, json_option
 from batchinfer.config import get_settings
+from batchinfer.wire.json_types import JSONObject
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from batchinfer.store.models import Schedule
 
 
-def _sessions() -> Any:
+class ScheduleObject(TypedDict):
+    """A schedule as `schedule add|list|show` print it (`runs`: show's latest runs)."""
+
+    name: str
+    cron: str
+    timezone: str
+    enabled: bool
+    model: str
+    input: str
+    output: str | None
+    errors: str | None
+    params: JSONObject | None
+    webhook_url: str | None
+    catchup: str
+    result_cache: str | None
+    next_run: str | None
+    runs: NotRequired[list[dict[str, object]]]
+
+
+def _sessions() -> sessionmaker[Session]:
     from batchinfer.cli.backend import LocalBackend
 
     return LocalBackend(get_settings()).sessions
@@ -24,7 +49,7 @@ def _fail(message: str) -> None:
     fail(message)  # one line, or a JSON object under --json (output.py)
 
 
-def _next_run(schedule: Any) -> str | None:
+def _next_run(schedule: Schedule) -> str | None:
     """The next slot in the schedule's own timezone (ISO 8601 with its offset), None while paused."""
     from zoneinfo import ZoneInfo
 
@@ -33,7 +58,7 @@ def _next_run(schedule: Any) -> str | None:
 
     if not schedule.enabled:
         return None
-    slot = next_slot(schedule, after=max(utcnow(), schedule.last_slot_at))
+    slot = next_slot(schedule, after=max(utcnow(), schedule.last_slot_at or utcnow()))  # set on creation
     return slot.astimezone(ZoneInfo(schedule.timezone)).isoformat()
 
 
@@ -42,7 +67,7 @@ def _when(next_run: str | None, timezone: str) -> str:
     return "-" if next_run is None else f"{next_run[:16].replace('T', ' ')} {timezone}"
 
 
-def _describe(schedule: Any) -> dict[str, Any]:
+def _describe(schedule: Schedule) -> ScheduleObject:
     return {
         "name": schedule.name, "cron": schedule.cron, "timezone": schedule.timezone,
         "enabled": schedule.enabled, "model": schedule.model, "input": schedule.input_template,
@@ -53,9 +78,9 @@ def _describe(schedule: Any) -> dict[str, Any]:
     }
 
 
-def _params(pairs: tuple[str, ...]) -> dict[str, Any] | None:
+def _params(pairs: tuple[str, ...]) -> JSONObject | None:
     """The --param KEY=VALUE defaults (VALUE read as JSON, else as a string), checked as a line's fields."""
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
@@ -120,8 +145,8 @@ def add(name: str, cron: str, timezone: str, input_template: str, output_templat
         except ScheduleError as exc:
             _fail(str(exc))
         info = _describe(created)
-    paths = "".join(f"\n  {field:7} {info[key]}" for field, key in
-                    (("input", "input"), ("output", "output"), ("errors", "errors")) if info[key])
+    listed = (("input", info["input"]), ("output", info["output"]), ("errors", info["errors"]))
+    paths = "".join(f"\n  {field:7} {value}" for field, value in listed if value)
     emit(info, f"schedule {name}: next run {_when(info['next_run'], info['timezone'])}{paths}")
 
 

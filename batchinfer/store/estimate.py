@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import orjson
 from sqlalchemy import func, select
@@ -53,7 +53,7 @@ class FileRead:
 
     requests: list[NormalizedRequest] = field(default_factory=list)
     invalid: int = 0
-    errors: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_LISTED_ERRORS
+    errors: list[dict[str, str | int | None]] = field(default_factory=list)  # the first MAX_LISTED_ERRORS
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ def estimate_file(session: Session, *, path: str | os.PathLike[str], model: str,
                     polling=not settings.broker_url, cache_hits=cache_hits)
 
 
-def describe(value: Any) -> str:
+def describe(value: object) -> str:
     """A figure for the text output."""
     if isinstance(value, float):
         return f"{value:,.1f}"

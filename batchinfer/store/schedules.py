@@ -10,7 +10,6 @@ timezone and stored in UTC.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter
@@ -29,6 +28,7 @@ from batchinfer.destinations import (
 from batchinfer.store import LOCAL_OWNER
 from batchinfer.store.db import write_transaction
 from batchinfer.store.models import Schedule, ScheduleRun, ScheduleRunStatus, WebhookDelivery, utcnow
+from batchinfer.wire.json_types import JSONObject
 
 CATCHUP_POLICIES = ("latest", "all", "none")
 MAX_SLOTS_PER_TICK = 1000  # `all` after a long outage never floods the queue in one tick
@@ -68,7 +68,7 @@ def render_template(template: str, slot_local: datetime, *, name: str) -> str:
 
 def add_schedule(session: Session, *, name: str, cron: str, input_template: str, model: str,
                  timezone: str = "UTC", output_template: str | None = None,
-                 errors_template: str | None = None, params: dict[str, Any] | None = None,
+                 errors_template: str | None = None, params: JSONObject | None = None,
                  webhook_url: str | None = None, webhook_secret: str | None = None, catchup: str = "latest",
                  owner: str = LOCAL_OWNER, settings: Settings | None = None,
                  result_cache: str | None = None, now: datetime | None = None) -> Schedule:
@@ -211,7 +211,7 @@ def mark_skipped_slots(session: Session, *, schedule: Schedule, up_to: datetime)
             current.last_slot_at = up_to
 
 
-def update_run(session: Session, *, run_id: int, **values: Any) -> ScheduleRun:
+def update_run(session: Session, *, run_id: int, **values: object) -> ScheduleRun:
     """Set fields of a run (status, job_id, error, output paths, finished_at) in one transaction."""
     with write_transaction(session):
         run = session.get(ScheduleRun, run_id, populate_existing=True)

@@ -129,7 +129,7 @@ def heartbeat(session: Session, *, shard_id: int, lease_token: str, lease_second
     store.progress). False means stop working on the shard: the lease is lost, or the job is no longer
     in progress (cancelled, expired); abort its in-flight requests and call release_shard."""
     now = now or utcnow()
-    values: dict[str, Any] = {"lease_expires_at": now + timedelta(seconds=lease_seconds)}
+    values: dict[str, object] = {"lease_expires_at": now + timedelta(seconds=lease_seconds)}
     if inflight is not None:
         finish_at = now.timestamp() + inflight.critical_s if inflight.critical_s else 0.0  # ages as it should
         values.update(inflight_requests=inflight.requests, inflight_tokens=inflight.tokens,

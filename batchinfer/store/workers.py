@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from batchinfer.store.db import end_transaction, rowcount, write_transaction
 from batchinfer.store.models import Shard, ShardStatus, Worker, utcnow
+from batchinfer.wire.json_types import JSONObject
 
 WORKER_LIVE_S = 60.0  # a worker that heartbeated within this long (and did not stop) counts as live
 
@@ -31,11 +32,12 @@ class WorkerInfo:
     last_heartbeat_at: datetime
     live: bool
     shard_ids: list[int]
-    info: dict[str, Any] | None = None  # what the worker reports (workers.metrics.heartbeat_info)
+    # what the worker reports (workers.metrics.heartbeat_info, still a dict[str, Any]: readers index it)
+    info: dict[str, Any] | None = None
 
 
 def register_worker(session: Session, *, worker_id: str, model: str, hostname: str = "",
-                    pid: int | None = None, info: dict[str, Any] | None = None,
+                    pid: int | None = None, info: JSONObject | None = None,
                     now: datetime | None = None) -> None:
     """Record a worker starting (or restarting under the same id)."""
     now = now or utcnow()
@@ -50,9 +52,9 @@ def register_worker(session: Session, *, worker_id: str, model: str, hostname: s
 
 
 def worker_heartbeat(session: Session, *, worker_id: str, now: datetime | None = None,
-                     info: dict[str, Any] | None = None) -> bool:
+                     info: JSONObject | None = None) -> bool:
     """Mark the worker alive (and replace its `info` when given); False if it was never registered."""
-    values: dict[str, Any] = {"last_heartbeat_at": now or utcnow()}
+    values: dict[str, object] = {"last_heartbeat_at": now or utcnow()}
     if info is not None:
         values["info"] = info
     with write_transaction(session):
