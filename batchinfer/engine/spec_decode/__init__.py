@@ -16,15 +16,20 @@ appends the accepted tokens one by one through its usual path (stop rules, logpr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from batchinfer.engine.speculative_config import SpeculativeConfig, parse_speculative_config
+
+if TYPE_CHECKING:
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.spec_decode.draft import DraftModelProposer
+    from batchinfer.engine.spec_decode.ngram import NgramProposer
 
 __all__ = ["SpeculativeConfig", "make_proposer", "parse_speculative_config"]
 
 
-def make_proposer(spec: SpeculativeConfig, target_config: Any, *, num_kv_blocks: int, vocab_size: int,
-                  max_model_len: int) -> Any:
+def make_proposer(spec: SpeculativeConfig, target_config: EngineConfig, *, num_kv_blocks: int,
+                  vocab_size: int, max_model_len: int) -> NgramProposer | DraftModelProposer:
     """The proposer of `spec`: an NgramProposer, or a DraftModelProposer (which loads the draft)."""
     if spec.method == "ngram":
         from batchinfer.engine.spec_decode.ngram import NgramProposer

@@ -13,11 +13,15 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchinfer.engine.spec_decode import make_proposer
 from batchinfer.engine.spec_decode.verify import Proposal, verify
 from batchinfer.engine.speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.core.sequence import Sequence as EngineSequence
 
 
 @dataclass
@@ -26,7 +30,7 @@ class SpeculativeStep:
 
     proposals: dict[int, Proposal] = field(default_factory=dict)
 
-    def grown(self, scheduled: Sequence[tuple[Any, int]]) -> list[tuple[Any, int]]:
+    def grown(self, scheduled: Sequence[tuple[EngineSequence, int]]) -> list[tuple[EngineSequence, int]]:
         """The step as the target runs it: each speculating entry computes its drafts too."""
         out = list(scheduled)
         for row, proposal in self.proposals.items():
@@ -98,7 +102,7 @@ class SpecDecodeCounts:
 class Speculator:
     """Owns the proposer and the spec-decode counters of one engine."""
 
-    def __init__(self, spec: SpeculativeConfig, config: Any, *, num_kv_blocks: int, vocab_size: int,
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, *, num_kv_blocks: int, vocab_size: int,
                  max_model_len: int) -> None:
         self.spec = spec
         self.proposer = make_proposer(spec, config, num_kv_blocks=num_kv_blocks, vocab_size=vocab_size,
@@ -109,11 +113,11 @@ class Speculator:
         """Release the proposer (the draft model's runner)."""
         self.proposer.close()
 
-    def forget(self, seqs: Sequence[Any]) -> None:
+    def forget(self, seqs: Sequence[EngineSequence]) -> None:
         """Preempted sequences lost their blocks: the draft's cache of them is gone too."""
         self.proposer.forget(seqs)
 
-    def propose(self, scheduled: Sequence[tuple[Any, int]],
+    def propose(self, scheduled: Sequence[tuple[EngineSequence, int]],
                 lookahead: Sequence[tuple[int, int]]) -> SpeculativeStep | None:
         """Proposals for the scheduler's lookahead rows; None when no row got a draft."""
         seqs = [scheduled[row][0] for row, _ in lookahead]

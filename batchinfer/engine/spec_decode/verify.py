@@ -11,19 +11,23 @@ from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from batchinfer.engine.sampling.sampler import SampleLogprobs, Sampler, argmax_rows, gather_logprobs
 from batchinfer.engine.spec_decode.rejection import accept_greedy, accept_replay, rejection_sample
 
+if TYPE_CHECKING:
+    from batchinfer.engine.core.sequence import Sequence
+    from batchinfer.engine.sampling_params import SamplingParams
+
 
 @dataclass
 class Proposal:
     """One sequence's guess for this step: k draft tokens and, from a sampling draft model, q [k, vocab]."""
 
-    seq: Any
+    seq: Sequence
     draft_token_ids: list[int]
     draft_probs: torch.Tensor | None = None
 
@@ -33,11 +37,11 @@ class PositionView:
 
     __slots__ = ("_seq", "_drafts")
 
-    def __init__(self, seq: Any, drafts: list[int]) -> None:
+    def __init__(self, seq: Sequence, drafts: list[int]) -> None:
         self._seq, self._drafts = seq, drafts
 
     @property
-    def params(self) -> Any:
+    def params(self) -> SamplingParams:
         return self._seq.params
 
     @property
@@ -45,15 +49,15 @@ class PositionView:
         return self._seq.seed
 
     @property
-    def generator(self) -> Any:
+    def generator(self) -> torch.Generator | None:
         return self._seq.generator
 
     @generator.setter
-    def generator(self, value: Any) -> None:
+    def generator(self, value: torch.Generator | None) -> None:
         self._seq.generator = value
 
     @property
-    def grammar(self) -> Any:
+    def grammar(self) -> None:
         return None  # constrained sequences do not speculate
 
     @property
@@ -85,11 +89,11 @@ class PositionView:
         return self._seq.output_token_ids + self._drafts
 
 
-def _generator_of(seq: Any, device: torch.device) -> torch.Generator:
+def _generator_of(seq: Sequence, seed: int, device: torch.device) -> torch.Generator:
     """The sequence's own generator, made as the sampler makes it (seeded with seq.seed) on first use."""
     if seq.generator is None:
         seq.generator = torch.Generator(device=device)
-        seq.generator.manual_seed(seq.seed)
+        seq.generator.manual_seed(seed)
     return seq.generator
 
 
@@ -123,7 +127,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, proposals: list[Proposal],
             assert probs is not None
             rows = probs[offset : offset + width]
             if seq.seed is not None:
-                emitted = accept_replay(rows, drafts, _generator_of(seq, rows.device))
+                emitted = accept_replay(rows, drafts, _generator_of(seq, seq.seed, rows.device))
             else:
                 emitted = rejection_sample(rows, drafts, proposal.draft_probs, sampler.generator)
         figures: list[SampleLogprobs | None] = [None] * len(emitted)
