@@ -247,6 +247,7 @@ def _check_options(endpoint: Endpoint, options: JSONObject) -> SamplingParams | 
         return LineError("streaming is not available in a batch; remove it or set it to false",
                          param="stream")
     # SamplingParams' keyword arguments, as the JSON gave them: SamplingParams checks each value itself
+    # at run time (so Any: the checker cannot match free JSON to its typed fields)
     params: dict[str, Any] = {name: options[name] for name in SAMPLING_FIELDS.intersection(options)}
     if "max_completion_tokens" in options:
         if "max_tokens" in options and options["max_tokens"] != options["max_completion_tokens"]:
@@ -291,7 +292,7 @@ def check_sampling_fields(fields: JSONObject) -> None:
 
 _DEFAULTABLE_FIELDS = SAMPLING_FIELDS | CONSTRAINT_FIELDS | {"max_completion_tokens", "logprobs",
                                                               "top_logprobs"}
-def _chat_logprobs(options: JSONObject, params: dict[str, Any]) -> LineError | None:
+def _chat_logprobs(options: JSONObject, params: dict[str, object]) -> LineError | None:
     logprobs, top = options.get("logprobs"), options.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         return LineError(f"must be true or false for chat (use top_logprobs for a count), got {logprobs!r}",

@@ -10,21 +10,21 @@ msgspec, not pydantic: chosen by measurement (bench/wire_models.py).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 import orjson
 
 from batchinfer.wire.embeddings import embedding_list
-from batchinfer.wire.json_types import JSONObject
+from batchinfer.wire.json_types import JSONObject, JSONValue
 from batchinfer.wire.request import Endpoint
 from batchinfer.wire.responses import response_object
 
 
-def response_body(*, endpoint: str, model: str, request_key: int, created: int, choices: list[dict[str, Any]],
+def response_body(*, endpoint: str, model: str, request_key: int, created: int, choices: list[JSONObject],
                   prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                  embeddings: list[Any] | None = None,
-                  prompt_logprobs: list[Any] | None = None) -> dict[str, object]:
+                  embeddings: list[list[float] | str] | None = None,
+                  prompt_logprobs: list[JSONValue] | None = None) -> dict[str, object]:
     """A chat.completion / text_completion / response from a worker's choices, or an embedding list.
 
     prompt_logprobs (vLLM's field, when the line asked for it) goes where vLLM puts it: on the chat

@@ -10,8 +10,7 @@ API batchinfer does not do (tools, reasoning, previous_response_id, non-text inp
 
 from __future__ import annotations
 
-from typing import Any
-
+from batchinfer.wire.json_types import JSONObject, JSONValue
 from batchinfer.wire.prompt import Fail
 
 # Responses fields that map onto chat ones as they are
@@ -30,9 +29,9 @@ NOT_SUPPORTED_RESPONSES_FIELDS = {
 _TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text"})
 
 
-def chat_body(body: dict[str, Any], fail: Fail) -> dict[str, Any]:
+def chat_body(body: JSONObject, fail: Fail) -> JSONObject:
     """The chat body a text-only Responses body means; raises fail(...) naming the field otherwise."""
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     for name, value in body.items():
         if name in PASS_THROUGH_FIELDS:
             out[name] = value
@@ -49,12 +48,12 @@ def chat_body(body: dict[str, Any], fail: Fail) -> dict[str, Any]:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise fail(f"must be a string, got {instructions!r:.80}", "instructions")
-    messages = [{"role": "system", "content": instructions}] if instructions else []
+    messages: list[JSONValue] = [{"role": "system", "content": instructions}] if instructions else []
     out["messages"] = messages + _input_messages(body.get("input"), fail)
     return out
 
 
-def _input_messages(value: Any, fail: Fail) -> list[dict[str, Any]]:
+def _input_messages(value: JSONValue, fail: Fail) -> list[JSONValue]:
     if value is None:
         raise fail("missing; a response needs input (a string or a list of messages)", "input",
                    "missing_required_parameter")
@@ -64,7 +63,7 @@ def _input_messages(value: Any, fail: Fail) -> list[dict[str, Any]]:
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise fail("must be a string or a non-empty list of message items", "input")
-    messages = []
+    messages: list[JSONValue] = []
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict) or item.get("type", "message") != "message" or "role" not in item:
@@ -76,12 +75,12 @@ def _input_messages(value: Any, fail: Fail) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in _TEXT_PART_TYPES or not isinstance(part.get("text"), str):
+                kind, text = (part.get("type"), part.get("text")) if isinstance(part, dict) else (None, None)
+                if kind not in _TEXT_PART_TYPES or not isinstance(text, str):
                     raise fail(f"{kind if isinstance(kind, str) else 'this part'} is not supported by "
                                "batchinfer; only input_text parts {\"type\": \"input_text\", \"text\": ...}",
                                f"{where}.content[{j}]")
-                texts.append(part["text"])
+                texts.append(text)
             content = "\n".join(texts)
         if not isinstance(content, str):
             raise fail("must be a string or a list of input_text parts", f"{where}.content")
@@ -89,7 +88,7 @@ def _input_messages(value: Any, fail: Fail) -> list[dict[str, Any]]:
     return messages
 
 
-def response_object(*, request_key: int, created: int, model: str, choice: dict[str, Any],
+def response_object(*, request_key: int, created: int, model: str, choice: JSONObject,
                     prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, object]:
     """OpenAI's Response object for one completion ({text, finish_reason}), with its usage."""
     incomplete = choice["finish_reason"] == "length"

@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from batchinfer.engine.sampling_params import SamplingParamsError, StructuredOutputsParams
+from batchinfer.wire.json_types import JSONObject, JSONValue
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}  # vLLM's field -> StructuredOutputsParams field
@@ -29,13 +30,14 @@ JSON_SCHEMA_FIELDS = frozenset({"name", "schema", "strict", "description"})
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 
 
-def read_constraint(options: dict[str, Any], *, chat: bool) -> StructuredOutputsParams | dict | None:
+def read_constraint(options: JSONObject, *, chat: bool) -> StructuredOutputsParams | JSONValue:
     """The value of SamplingParams.structured_outputs for a body's fields (None: unconstrained).
 
     Raises SamplingParamsError naming the body field; the `structured_outputs` object is returned as
     given, for SamplingParams to check. `chat`: the body is a /v1/chat/completions one.
     """
-    found: list[tuple[str, Any]] = []  # (the field the user wrote, its constraint)
+    # (the field the user wrote, its constraint)
+    found: list[tuple[str, StructuredOutputsParams | JSONValue]] = []
     if not chat and "response_format" in options:
         raise SamplingParamsError("response_format", "belongs to /v1/chat/completions; here use guided_json, "
                                   "guided_regex, guided_choice, guided_grammar or structured_outputs")
@@ -54,7 +56,7 @@ def read_constraint(options: dict[str, Any], *, chat: bool) -> StructuredOutputs
     return found[0][1] if found else None
 
 
-def _response_format(value: Any) -> StructuredOutputsParams | None:
+def _response_format(value: JSONValue) -> StructuredOutputsParams | None:
     if not isinstance(value, dict):
         raise SamplingParamsError("response_format", "must be an object such as {\"type\": \"json_object\"}; "
                                   f"got {type(value).__name__}")
@@ -92,7 +94,7 @@ def _response_format(value: Any) -> StructuredOutputsParams | None:
     return _build(f"{where}.schema", json=spec["schema"])
 
 
-def _build(field: str, **constraint: Any) -> StructuredOutputsParams:
+def _build(field: str, **constraint: Any) -> StructuredOutputsParams:  # Any: the constructor checks the JSON
     try:
         return StructuredOutputsParams(**constraint)
     except SamplingParamsError as exc:
