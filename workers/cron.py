@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from zoneinfo import ZoneInfo
 
 import httpx
@@ -39,6 +39,7 @@ from batchinfer.store.models import (
     ScheduleRunStatus,
     utcnow,
 )
+from batchinfer.wire.json_types import JSONObject
 from workers.dispatch import submit_and_announce
 from workers.webhooks import deliver_webhooks, enqueue_run_webhook
 
@@ -169,7 +170,7 @@ def _input_files(pattern: str) -> tuple[list[str], list[str]]:
 
 
 def _fail_run(run: ScheduleRun, schedule: Schedule, *, settings: Settings, error: str,
-              now: datetime | None = None, job: Job | None = None, **values: Any) -> ScheduleRun:
+              now: datetime | None = None, job: Job | None = None, **values: object) -> ScheduleRun:
     """Record a run as failed with `error` and queue its webhook (status failed)."""
     with session_factory(settings.effective_database_url)() as session:
         run = store.update_run(session, run_id=run.id, status=ScheduleRunStatus.FAILED, error=error,
@@ -178,7 +179,7 @@ def _fail_run(run: ScheduleRun, schedule: Schedule, *, settings: Settings, error
     return run
 
 
-def _prepare_input(matches: list[str], defaults: dict[str, Any] | None) -> tuple[str, bool]:
+def _prepare_input(matches: list[str], defaults: JSONObject | None) -> tuple[str, bool]:
     """One file to submit: the match itself, or a temp file joining matches and filling default params."""
     if len(matches) == 1 and not defaults:
         return matches[0], False
@@ -193,7 +194,7 @@ def _prepare_input(matches: list[str], defaults: dict[str, Any] | None) -> tuple
     return tmp, True
 
 
-def _with_defaults(line: bytes, defaults: dict[str, Any]) -> bytes:
+def _with_defaults(line: bytes, defaults: JSONObject) -> bytes:
     """Add default sampling fields a line does not set (bad lines pass through for ingest to report)."""
     try:
         obj = orjson.loads(line)

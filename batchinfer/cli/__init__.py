@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -68,8 +69,9 @@ class BatchinferGroup(click.Group):
             show_error(message, exit_code=EXIT_ERROR)
             sys.exit(EXIT_ERROR)
 
-    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
-             standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             **extra: Any) -> Any:  # Any: click's own signature (its extra is passed to the Context)
         argv = list(sys.argv[1:] if args is None else args)
         as_json = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
         if not (standalone_mode and as_json):

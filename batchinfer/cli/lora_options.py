@@ -7,18 +7,21 @@ one flag (`--lora-modules a1=/x a2=/y`): the following words of that form are ta
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
 from batchinfer.config import Settings
 
+_Command = TypeVar("_Command", bound=Callable[..., object])
+
 
 class _PairsOption(click.Option):
     """A multiple option whose flag also takes every following NAME=PATH word (vLLM's nargs='+')."""
 
-    def add_to_parser(self, parser: Any, ctx: click.Context) -> Any:
-        result = super().add_to_parser(parser, ctx)
+    # Any: click's parser (_OptionParser) and its options are private, untyped internals patched here
+    def add_to_parser(self, parser: Any, ctx: click.Context) -> None:
+        super().add_to_parser(parser, ctx)
         for opt in self.opts:
             parsed = parser._long_opt.get(opt) or parser._short_opt.get(opt)
             if parsed is None:
@@ -31,10 +34,9 @@ class _PairsOption(click.Option):
                     take_one(state.rargs.pop(0), state)
 
             parsed.process = process
-        return result
 
 
-def lora_options(command: Callable[..., Any]) -> Callable[..., Any]:
+def lora_options(command: _Command) -> _Command:
     """Add --lora-modules, --max-loras, --max-lora-rank and --max-cpu-loras to a command."""
     options = [
         click.option("--lora-modules", "lora_modules", cls=_PairsOption, multiple=True, metavar="NAME=PATH",
@@ -62,7 +64,7 @@ def with_lora_settings(settings: Settings, *, lora_modules: tuple[str, ...], max
         modules = {**settings.lora_modules, **parse_lora_modules(lora_modules)}
     except ValueError as exc:
         fail(str(exc))
-    update: dict[str, Any] = {"lora_modules": modules}
+    update: dict[str, object] = {"lora_modules": modules}
     for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank),
                         ("max_cpu_loras", max_cpu_loras)):
         if value is not None:
