@@ -119,7 +119,7 @@ class SamplingParams:
         _normalize(self.__dict__)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
+    def from_dict(cls, data: Mapping[str, object]) -> SamplingParams:
         """The params `to_dict` stored, rebuilt without validating again (they were checked when first built).
 
         Also reads rows stored before to_dict existed: those hold the body's fields as given (a lone stop
@@ -218,12 +218,12 @@ class StructuredOutputsParams:
         text = f"{kind}\0{self.disable_any_whitespace}\0{canonical_text(kind, self.value)}"
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The fields that are set: what the requests table stores inside the sampling params."""
         return {name: value for name, value in _fields_of(self).items() if _is_set(value)}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> StructuredOutputsParams:
+    def from_dict(cls, data: Mapping[str, object]) -> StructuredOutputsParams:
         """What `to_dict` stored, rebuilt without checking again (it was checked when first built)."""
         params = object.__new__(cls)
         params.__dict__.update(_STRUCTURED_DEFAULTS)
@@ -231,11 +231,11 @@ class StructuredOutputsParams:
         return params
 
 
-def _fields_of(params: StructuredOutputsParams) -> dict[str, Any]:
+def _fields_of(params: StructuredOutputsParams) -> dict[str, object]:
     return {name: params.__dict__[name] for name in _STRUCTURED_DEFAULTS}
 
 
-def _is_set(value: Any) -> bool:
+def _is_set(value: object) -> bool:
     """A constraint field counts as given unless None or False (identity: 0 or {} are given, and wrong)."""
     return value is not None and value is not False
 
@@ -371,6 +371,6 @@ def _check_stop_token_ids(ids: object) -> None:
 
 _DEFAULTS: dict[str, Any] = {field.name: field.default for field in fields(SamplingParams)}
 _normalize(_DEFAULTS)
-_STRUCTURED_DEFAULTS: dict[str, Any] = {
+_STRUCTURED_DEFAULTS: dict[str, object] = {
     field.name: field.default for field in fields(StructuredOutputsParams)
 }

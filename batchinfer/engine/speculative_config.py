@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # beyond this, verification chunks cost more than rejected tokens can repay
@@ -36,7 +35,7 @@ class SpeculativeConfig:
     model: str | None = None  # the draft model (method draft_model); shares the target's tokenizer
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The fields as a plain dict (what parse_speculative_config reads back)."""
         return {key: value for key, value in asdict(self).items() if value is not None}
 
@@ -45,7 +44,7 @@ def _field(key: str) -> str:
     return f"speculative_config.{key}"
 
 
-def _positive_int(data: Mapping[str, Any], key: str, default: int | None) -> int:
+def _positive_int(data: Mapping[str, object], key: str, default: int | None) -> int:
     value = data.get(key, default)
     if value is None:
         raise ValueError(f"{_field(key)}: is required")
@@ -54,7 +53,7 @@ def _positive_int(data: Mapping[str, Any], key: str, default: int | None) -> int
     return value
 
 
-def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
+def parse_speculative_config(value: object) -> SpeculativeConfig | None:
     """A SpeculativeConfig from a dict (or one already built); None for None or an empty dict."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value

@@ -31,12 +31,12 @@ import hashlib
 import json
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from cachetools import LRUCache
 
@@ -91,6 +91,20 @@ class GrammarError(ValueError):
     """A constraint that cannot become a grammar; str() says what is wrong and where, for the user."""
 
 
+_Result = TypeVar("_Result")
+
+
+class GrammarSettings(Protocol):
+    """The part of batchinfer's Settings a GrammarBudget reads (the engine does not import them)."""
+
+    @property
+    def max_constraint_depth(self) -> int: ...
+    @property
+    def max_constraint_bytes(self) -> int: ...
+    @property
+    def grammar_compile_timeout_seconds(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class GrammarBudget:
     """The work one constraint may cost (module docstring); the defaults are the settings' defaults."""
@@ -100,7 +114,7 @@ class GrammarBudget:
     timeout_s: float = 30.0  # grammar_compile_timeout_seconds: conversion at ingest, compilation in workers
 
     @classmethod
-    def from_settings(cls, settings: Any) -> GrammarBudget:
+    def from_settings(cls, settings: GrammarSettings) -> GrammarBudget:
         """The budget batchinfer's Settings configure (duck-typed: the engine does not import them)."""
         return cls(settings.max_constraint_depth, settings.max_constraint_bytes,
                    settings.grammar_compile_timeout_seconds)
@@ -150,7 +164,7 @@ def _too_deep(kind: str, budget: GrammarBudget) -> GrammarError:
                         "(max_constraint_depth); flatten it, or use $defs and $ref for repeated parts")
 
 
-def json_depth(value: Any, limit: int) -> int:
+def json_depth(value: object, limit: int) -> int:
     """The nesting depth of a JSON value (objects and arrays), counted up to limit + 1 (iteratively)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -355,10 +369,10 @@ def _convert(kind: str, text: str, any_whitespace: bool) -> str:
     return ""
 
 
-def _within(timeout_s: float, function: Any, *args: Any) -> Any:
+def _within(timeout_s: float, function: Callable[..., _Result], *args: object) -> _Result | None:
     """function(*args) on a daemon thread, or None when it takes longer than timeout_s. xgrammar releases
     the GIL while it converts; a conversion past its time finishes alone (bounded by the size budget)."""
-    done: Future[Any] = Future()
+    done: Future[_Result] = Future()
 
     def run() -> None:
         try:
