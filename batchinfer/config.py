@@ -42,8 +42,8 @@ OTHER_ENV_VARS = frozenset({
     "BATCHINFER_CPU_LINEAR",     # "aten": no oneDNN weight prepacking (engine.layers.weight_packing)
     "BATCHINFER_CPU_FUSED",      # "0": no fused CPU rotary / SiLU-and-mul (engine.layers.cpu_attention)
     "BATCHINFER_KERNEL_DIR",     # where native CPU kernels are built and found (engine.native.build)
-    "BATCHINFER_CPU_NATIVE_STEP",  # "0": the Python layer loop, not the native step (engine.worker.native_step)
-    CHOSEN_MARKER,               # the OpenMP variables batchinfer chose, for child processes (engine.native.threads)
+    "BATCHINFER_CPU_NATIVE_STEP",  # "0": the Python layer loop, not the native step (engine.worker)
+    CHOSEN_MARKER,               # the OpenMP variables chosen, for child processes (engine.native.threads)
 })
 TEST_ENV_PREFIX = "BATCHINFER_TEST_"  # the test suite's own servers (tests/conftest.py)
 
@@ -72,7 +72,7 @@ def _closest(name: str, valid: list[str]) -> str:
     return f" (did you mean {match[0]}?)" if match else ""
 
 
-def _read_config_file() -> tuple[Path, dict[str, Any]] | None:
+def _read_config_file() -> tuple[Path, dict[str, object]] | None:
     """The TOML file's path and table, None when the default file does not exist."""
     path = _config_file()
     if not path.is_file():
@@ -86,7 +86,8 @@ def _read_config_file() -> tuple[Path, dict[str, Any]] | None:
         raise ConfigError(f"config file {path}: {exc}") from None
 
 
-def _check_names(settings_cls: type[BaseSettings], table: dict[str, Any] | None, path: Path | None) -> None:
+def _check_names(settings_cls: type[BaseSettings], table: dict[str, object] | None,
+                 path: Path | None) -> None:
     """Refuse an unknown TOML key or BATCHINFER_* variable, naming the closest valid one."""
     fields = sorted(settings_cls.model_fields)
     for key in table or {}:
@@ -355,9 +356,9 @@ class Settings(BaseSettings):
             "compiled_grammar_cache_bytes": self.compiled_grammar_cache_bytes,
         }
 
-    def public_dict(self) -> dict[str, Any]:
+    def public_dict(self) -> dict[str, object]:
         """Settings as plain values with secrets and URL passwords masked."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for name, value in self.model_dump().items():
             if isinstance(value, SecretStr):
                 value = "********" if value.get_secret_value() else ""
@@ -392,7 +393,7 @@ def load_settings(**overrides: Any) -> Settings:
         raise ConfigError(_describe_invalid(exc, overrides)) from None
 
 
-def _describe_invalid(exc: ValidationError, overrides: dict[str, Any]) -> str:
+def _describe_invalid(exc: ValidationError, overrides: dict[str, object]) -> str:
     """One line for the first invalid value: the setting, the value, where it came from, what is wrong."""
     error = exc.errors()[0]
     name = str(error["loc"][0]) if error["loc"] else "?"
