@@ -8,7 +8,7 @@ never pay for torch.
 from __future__ import annotations
 
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from batchinfer.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:  # the names above, imported on first use
     if name in _EXPORTS:
         value = getattr(import_module(_EXPORTS[name]), name)
         globals()[name] = value  # imported once; later lookups never come here
