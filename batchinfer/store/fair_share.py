@@ -17,7 +17,6 @@ Served tokens are recorded with each write of results (shards.write_results), in
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import ColumnExpressionArgument, Float, Select, cast, delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -68,7 +67,7 @@ def owner_weight(session: Session, *, owner: str) -> float:
 
 
 def fair_order(pick: Select, *, now: datetime, window_seconds: float = FAIR_SHARE_WINDOW_S
-               ) -> tuple[Select, list[ColumnExpressionArgument[Any]]]:
+               ) -> tuple[Select, list[ColumnExpressionArgument[object]]]:
     """Join `pick` (a select over shards) with what the rule needs; returns it and its ORDER BY terms."""
     since = minute_of(now) - int(window_seconds // MINUTE_S)
     usage = (select(OwnerServed.owner, func.sum(OwnerServed.tokens).label("tokens"))
@@ -85,7 +84,7 @@ def fair_order(pick: Select, *, now: datetime, window_seconds: float = FAIR_SHAR
             .outerjoin(weights, weights.c.owner == Job.owner)
             .outerjoin(running, running.c.owner == Job.owner))
     weight = func.coalesce(weights.c.weight, 1.0)
-    order: list[ColumnExpressionArgument[Any]] = [cast(func.coalesce(usage.c.tokens, 0), Float) / weight,
+    order: list[ColumnExpressionArgument[object]] = [cast(func.coalesce(usage.c.tokens, 0), Float) / weight,
              cast(func.coalesce(running.c.shards, 0), Float) / weight,
              Shard.priority, Job.expires_at.asc().nulls_last(), Shard.id]
     return pick, order
