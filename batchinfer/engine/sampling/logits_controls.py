@@ -26,6 +26,7 @@ import torch
 from cachetools import LRUCache
 
 from batchinfer.engine.core.sequence import Sequence
+from batchinfer.engine.sampling_params import SamplingParams
 
 CONTROLS_CACHE_BYTES = 256 << 20  # precomputed rows of the requests in flight (a row is 4 x vocab bytes)
 
@@ -94,7 +95,8 @@ class BadWordsAutomaton:
 class RequestControls:
     """One request's controls, precomputed for a logits width: the additive row and the automaton."""
 
-    def __init__(self, params: Any, bad_words: list[list[int]], vocab: int, device: torch.device) -> None:
+    def __init__(self, params: SamplingParams, bad_words: list[list[int]], vocab: int,
+                 device: torch.device) -> None:
         self.params, self.bad_words = params, bad_words  # held: the cache key is their identity
         always = [word[0] for word in bad_words if len(word) == 1 and word[0] < vocab]
         longer = [word for word in bad_words if len(word) > 1 and word[-1] < vocab]

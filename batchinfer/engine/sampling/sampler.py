@@ -24,6 +24,7 @@ import torch
 
 from batchinfer.engine.core.sequence import Sequence
 from batchinfer.engine.sampling.logits_controls import ControlsCache, apply_logits_controls
+from batchinfer.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -164,7 +165,7 @@ class Sampler:
         return ProcessedLogits(logits, raw_logprobs, want_logprobs, random_rows)
 
     @staticmethod
-    def random_probs(rows: torch.Tensor, params: list[Any]) -> torch.Tensor:
+    def random_probs(rows: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The distributions of temperature > 0 rows: temperature, min_p, top_k / top_p, softmax."""
         device = rows.device
         rows = rows / _tensor([p.temperature for p in params], device).unsqueeze(1)

@@ -12,13 +12,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Set as AbstractSet
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchinfer.engine.sampling.sampler import GrammarMask
 from batchinfer.engine.sampling.structured import GrammarBackend
 from batchinfer.engine.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # with nothing else to run, how long one step waits for a grammar to compile
@@ -28,7 +31,7 @@ class StructuredRequests:
     """The grammar backend (made on first use) and the constrained requests still compiling, in order."""
 
     def __init__(self, config: EngineConfig, tokenizer: Any, *, vocab_size: int,
-                 eos_token_ids: AbstractSet[int], device: Any) -> None:
+                 eos_token_ids: AbstractSet[int], device: str | torch.device) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
