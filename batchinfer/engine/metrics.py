@@ -19,14 +19,16 @@ import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from batchinfer.engine.core.block_manager import BlockManager
     from batchinfer.engine.core.scheduler import Scheduler
+    from batchinfer.engine.metrics_sinks import LoRAMetricsSink, SpecMetricsSink
     from batchinfer.engine.outputs import RequestOutput
+    from batchinfer.engine.spec_decode.speculator import SpecDecodeCounts
 
 logger = logging.getLogger("batchinfer.engine")
 
@@ -325,9 +327,9 @@ class MetricsRecorder:
                                          enable_prefix_caching=block_manager.enable_prefix_caching)
         self.stat_logger = StatLogger()
         # Under speculative decoding: the engine's SpecDecodeCounts and their SpecDecodeMetrics.
-        self.spec_counts: Any = None
-        self.spec_metrics: Any = None
-        self.lora_metrics: Any = None  # lora.metrics.LoRAMetrics of an engine with enable_lora
+        self.spec_counts: SpecDecodeCounts | None = None
+        self.spec_metrics: SpecMetricsSink | None = None
+        self.lora_metrics: LoRAMetricsSink | None = None  # the LoRAMetrics of an engine with enable_lora
         self.prompt_tokens = self.generation_tokens = self.num_steps = 0
         self.step_prompt_tokens = self.step_generation_tokens = 0
         self._reported = (0, 0, 0)  # prefix queries, hits, preemptions already folded into the metrics
@@ -358,7 +360,7 @@ class MetricsRecorder:
         )
         self.metrics.record_step(stats)
         self.stat_logger.record_step(stats)
-        if self.spec_metrics is not None:
+        if self.spec_metrics is not None and self.spec_counts is not None:
             self.spec_metrics.fold(self.spec_counts)
         if self.lora_metrics is not None:
             self.lora_metrics.fold(scheduler)
