@@ -63,7 +63,8 @@ def main() -> None:
             try:
                 with sessions() as session:
                     job = get_job(session, job_id=1)
-                    batch = None if job is None else current_batch_object(session, job).model_dump(mode="json")
+                    found = None if job is None else current_batch_object(session, job)
+                    batch = None if found is None else found.model_dump(mode="json")
             except Exception:  # noqa: BLE001 - the database is being created: poll again
                 continue
             if batch is None:
