@@ -15,6 +15,7 @@ from batchinfer.store.db import get_engine, upgrade
 from tests.acceptance.topology import Topology, custom_ids
 
 pytestmark = pytest.mark.acceptance
+DISTINCT = 256  # distinct prompts; each appears twice
 
 
 @pytest.mark.parametrize("database", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -29,10 +30,12 @@ def test_kill_9_mid_fan_out_keeps_every_custom_id_exactly_once(
         topology.start_api()
         workers = topology.workers_exactly(2)
         path = tmp_path / "dups.jsonl"
-        ids = [f"dup-{i:03d}" for i in range(64)]
-        with path.open("wb") as out:  # 32 distinct greedy prompts x 2 custom_ids, twins 8 shards apart
+        # 256 distinct greedy prompts x 2 custom_ids, twins 64 shards apart: long enough (~8 s of two
+        # workers on the native step) that a worker still holds a shard when the kill comes
+        ids = [f"dup-{i:03d}" for i in range(2 * DISTINCT)]
+        with path.open("wb") as out:
             for i, custom_id in enumerate(ids):
-                prompt = f"the cat reads the prompt number {i % 32}"
+                prompt = f"the cat reads the prompt number {i % DISTINCT}"
                 body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 192,
                         "ignore_eos": True, "temperature": 0}
                 out.write(orjson.dumps({"custom_id": custom_id, "method": "POST",
@@ -49,10 +52,10 @@ def test_kill_9_mid_fan_out_keeps_every_custom_id_exactly_once(
         output, errors = topology.results(batch_id)
         assert sorted(custom_ids(output)) == ids and errors == []  # every custom_id exactly once
         sources = Counter(line["provenance"]["result_cache"] for line in output)
-        assert sources["dedup"] > 0 and sources["miss"] + sources["dedup"] == 64
+        assert sources["dedup"] > 0 and sources["miss"] + sources["dedup"] == 2 * DISTINCT
         by_prompt: dict[int, set[bytes]] = {}
         for line in output:
-            prompt = int(line["custom_id"].split("-")[1]) % 32
+            prompt = int(line["custom_id"].split("-")[1]) % DISTINCT
             by_prompt.setdefault(prompt, set()).add(orjson.dumps(line["response"]["body"]["choices"]))
         assert all(len(bodies) == 1 for bodies in by_prompt.values())  # twins equal, whoever computed them
     finally:
