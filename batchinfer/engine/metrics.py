@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -380,7 +380,7 @@ class MetricsRecorder:
     def engine_stats(self) -> EngineStats:
         """The figures as of now."""
         bm, cache = self.block_manager, self.block_manager.stats
-        return EngineStats(
+        stats = EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_used_blocks=bm.num_used_blocks,
@@ -396,5 +396,7 @@ class MetricsRecorder:
             step_prompt_tokens=self.step_prompt_tokens,
             step_generation_tokens=self.step_generation_tokens,
             num_steps=self.num_steps,
-            **(self.spec_counts.as_stats() if self.spec_counts is not None else {}),
         )
+        if self.spec_counts is not None:  # else the spec_* fields keep their defaults (0, [])
+            stats = replace(stats, **self.spec_counts.as_stats())
+        return stats

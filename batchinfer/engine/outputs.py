@@ -4,21 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
-if TYPE_CHECKING:  # both for annotations only: this module stays free of torch
+from batchinfer.engine.logprob import Logprob as Logprob  # re-exported: the public name lives here too
+
+if TYPE_CHECKING:  # for annotations only: this module stays free of torch
     from batchinfer.engine.core.sequence import SequenceGroup
+    from batchinfer.engine.core.tokenizer import TextTokenizer
     from batchinfer.engine.sampling.sampler import SampleLogprobs
-
-
-@dataclass
-class Logprob:
-    """Log-probability of one token at one position (vLLM's Logprob)."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
 
 @dataclass
 class CompletionOutput:
@@ -86,7 +79,8 @@ class RequestOutput:
         return len(self.prompt_token_ids)
 
 
-def make_logprob_entry(tokenizer: Any, token_id: int, figures: SampleLogprobs) -> dict[int, Logprob]:
+def make_logprob_entry(tokenizer: TextTokenizer, token_id: int,
+                       figures: SampleLogprobs) -> dict[int, Logprob]:
     """One position's logprobs: the sampled token first, then the top-N (ranks 1..N), texts decoded."""
     ids = [token_id, *figures.top_token_ids]
     texts = tokenizer.batch_decode([[i] for i in ids])
@@ -104,6 +98,7 @@ def make_request_output(group: SequenceGroup) -> RequestOutput:
     outputs = []
     for seq in seqs:
         finished = seq.is_finished
+        assert seq.detokenizer is not None  # set by the engine when the request is added
         outputs.append(
             CompletionOutput(
                 index=seq.index,

@@ -20,10 +20,12 @@ from typing import Any
 
 from batchinfer.engine.sampling.grammars import (
     CONSTRAINT_KINDS,
+    ConstraintValue,
     GrammarError,
     canonical_text,
     check_constraint,
 )
+from batchinfer.wire.json_types import JSONObject
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs ceiling
 GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
@@ -135,14 +137,16 @@ class SamplingParams:
         _normalize(values)
         return params
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """The fields that differ from the defaults, by vLLM name: the JSON the requests table stores."""
         values = self.__dict__
-        out = {name: values[name] for name, default in _DEFAULTS.items() if values[name] != default}
+        out: JSONObject = {
+            name: values[name] for name, default in _DEFAULTS.items() if values[name] != default
+        }
         if "structured_outputs" in out:
-            out["structured_outputs"] = out["structured_outputs"].to_dict()
+            out["structured_outputs"] = values["structured_outputs"].to_dict()
         if "logit_bias" in out:  # JSON object keys are strings; _normalize reads them back as ints
-            out["logit_bias"] = {str(token_id): bias for token_id, bias in out["logit_bias"].items()}
+            out["logit_bias"] = {str(token_id): bias for token_id, bias in values["logit_bias"].items()}
         return out
 
     @property
@@ -178,7 +182,7 @@ class StructuredOutputsParams:
     naming the field (`json`, `regex`, ...) and, for a schema, the JSON pointer of the problem.
     """
 
-    json: dict[str, Any] | None = None  # a JSON Schema object (a JSON text of one is parsed)
+    json: JSONObject | None = None  # a JSON Schema object (a JSON text of one is parsed)
     regex: str | None = None  # xgrammar's dialect: no lookaround, no backreferences, no named groups
     choice: list[str] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # EBNF (GBNF) text with a `root` rule
@@ -207,7 +211,7 @@ class StructuredOutputsParams:
         return next(kind for kind in CONSTRAINT_KINDS if _is_set(self.__dict__[kind]))
 
     @property
-    def value(self) -> Any:
+    def value(self) -> ConstraintValue:
         """The constraint: the schema, the regex, the choices, the grammar text (True for json_object)."""
         return self.__dict__[self.kind]
 
@@ -218,9 +222,10 @@ class StructuredOutputsParams:
         text = f"{kind}\0{self.disable_any_whitespace}\0{canonical_text(kind, self.value)}"
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> JSONObject:
         """The fields that are set: what the requests table stores inside the sampling params."""
-        return {name: value for name, value in _fields_of(self).items() if _is_set(value)}
+        values = self.__dict__  # each field a JSON value: a schema object, a text, strings or a flag
+        return {name: values[name] for name in _STRUCTURED_DEFAULTS if _is_set(values[name])}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> StructuredOutputsParams:
@@ -231,16 +236,12 @@ class StructuredOutputsParams:
         return params
 
 
-def _fields_of(params: StructuredOutputsParams) -> dict[str, object]:
-    return {name: params.__dict__[name] for name in _STRUCTURED_DEFAULTS}
-
-
 def _is_set(value: object) -> bool:
     """A constraint field counts as given unless None or False (identity: 0 or {} are given, and wrong)."""
     return value is not None and value is not False
 
 
-def _constraint_value(kind: str, value: Any) -> Any:
+def _constraint_value(kind: str, value: object) -> ConstraintValue:
     """The constraint's canonical value after the shape checks: a schema text is parsed to its object."""
     if kind == "json":
         if isinstance(value, str):
@@ -250,16 +251,18 @@ def _constraint_value(kind: str, value: Any) -> Any:
                 raise SamplingParamsError("json", f"is not valid JSON text ({exc})") from None
         if not isinstance(value, dict):
             raise SamplingParamsError("json", f"must be a JSON Schema object; got {type(value).__name__}")
-    elif kind in ("regex", "grammar"):
+        return value
+    if kind in ("regex", "grammar"):
         if not isinstance(value, str) or not value:
             raise SamplingParamsError(kind, f"must be a non-empty string; got {value!r:.80}")
-    elif kind == "choice":
+        return value
+    if kind == "choice":
         if not isinstance(value, list | tuple) or not value or not all(isinstance(c, str) for c in value):
             raise SamplingParamsError("choice", f"must be a non-empty list of strings; got {value!r:.80}")
-        value = list(value)
-    elif value is not True:
+        return list(value)
+    if value is not True:
         raise SamplingParamsError("json_object", f"must be true or false; got {value!r}")
-    return value
+    return True
 
 
 def _check_structured_outputs(params: SamplingParams) -> StructuredOutputsParams:
@@ -369,7 +372,7 @@ def _check_stop_token_ids(ids: object) -> None:
         raise SamplingParamsError("stop_token_ids", f"must be a list of non-negative integers; got {ids!r}")
 
 
-_DEFAULTS: dict[str, Any] = {field.name: field.default for field in fields(SamplingParams)}
+_DEFAULTS: dict[str, object] = {field.name: field.default for field in fields(SamplingParams)}
 _normalize(_DEFAULTS)
 _STRUCTURED_DEFAULTS: dict[str, object] = {
     field.name: field.default for field in fields(StructuredOutputsParams)

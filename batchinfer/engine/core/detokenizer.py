@@ -15,7 +15,7 @@ output token is decoded with its left context too.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from batchinfer.engine.sampling.stop_matcher import stop_matcher
 from batchinfer.engine.sampling_params import SamplingParams
@@ -23,10 +23,12 @@ from batchinfer.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
+    from batchinfer.engine.core.tokenizer import TextTokenizer
+
 INITIAL_CONTEXT_TOKENS = 5  # prompt tokens decoded as left context of the first output token
 
 
-def _rust_backend(tokenizer: Any) -> Tokenizer | None:
+def _rust_backend(tokenizer: TextTokenizer) -> Tokenizer | None:
     """The `tokenizers.Tokenizer` behind a fast tokenizer whose decode is transformers' own, else None.
 
     Its decode(ids, skip_special_tokens) is exactly what transformers' fast decode returns with
@@ -52,7 +54,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: TextTokenizer,
         num_prompt_tokens: int,
         params: SamplingParams,
         *,

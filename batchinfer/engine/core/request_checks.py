@@ -6,14 +6,17 @@ Every check raises ValueError naming the field, the limit and the fix; none chan
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from batchinfer.engine.core.block_manager import cdiv
 from batchinfer.engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from batchinfer.engine.core.tokenizer import TextTokenizer
+
 
 def prompt_token_ids(
-    tokenizer: Any, prompt: object, *, vocab_size: int, add_special_tokens: bool
+    tokenizer: TextTokenizer, prompt: object, *, vocab_size: int, add_special_tokens: bool
 ) -> list[int]:
     """Token ids of a prompt given as text or ids (ids are checked against the vocabulary)."""
     if isinstance(prompt, str):

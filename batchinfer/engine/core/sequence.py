@@ -12,14 +12,17 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from batchinfer.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
+    from batchinfer.engine.core.detokenizer import IncrementalDetokenizer
+    from batchinfer.engine.logprob import Logprob
     from batchinfer.engine.lora.request import LoRARequest
+    from batchinfer.engine.sampling.grammar_state import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -106,16 +109,16 @@ class Sequence:
         self.block_hashes: list[bytes] = []
 
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-        self.logprobs: list[dict[int, Any]] | None = [] if params.logprobs is not None else None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         # Per prompt token, its logprobs (the first token has none: nothing predicts it). Collected by the
         # request's first sequence only, chunk by chunk; complete once it holds num_prompt_tokens entries.
-        self.prompt_logprobs: list[dict[int, Any] | None] | None = (
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if params.prompt_logprobs is not None and index == 0 else None
         )
         self.generator: torch.Generator | None = None  # for seeded sampling, created by the sampler
-        self.detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
-        self.grammar: Any = None  # structured.GrammarState of a constrained request, set by the engine
+        self.detokenizer: IncrementalDetokenizer | None = None  # set by the engine
+        self.grammar: GrammarState | None = None  # a constrained request's, set by the engine
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words tokenized, set by the engine
 
         self.arrival_time = arrival_time

@@ -31,14 +31,19 @@ import hashlib
 import json
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar
 
 from cachetools import LRUCache
+
+from batchinfer.wire.json_types import JSONObject
+
+if TYPE_CHECKING:
+    from xgrammar import Grammar
 
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
@@ -85,6 +90,11 @@ _SCHEMA_LIST_KEYWORDS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_KEYWORDS = ("items", "additionalProperties", "propertyNames", "unevaluatedItems",
                     "unevaluatedProperties")
 _XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[08:33:58] /project/cpp/x.cc:94: "
+
+
+# A checked constraint's value, by kind: json a schema object, regex / grammar a text, choice the strings,
+# json_object True (StructuredOutputsParams.value).
+ConstraintValue: TypeAlias = JSONObject | str | list[str] | bool
 
 
 class GrammarError(ValueError):
@@ -134,7 +144,7 @@ def using_budget(budget: GrammarBudget) -> Iterator[None]:
         _BUDGET.reset(token)
 
 
-def check_constraint(kind: str, value: Any, *, any_whitespace: bool = True) -> None:
+def check_constraint(kind: str, value: ConstraintValue, *, any_whitespace: bool = True) -> None:
     """Raise GrammarError unless `value` is a usable constraint of `kind` (shape already checked), within
     the current budget (`using_budget`)."""
     budget = _BUDGET.get()
@@ -198,7 +208,7 @@ def bracket_depth(text: str, *, quoted: bool) -> int:
     return deepest
 
 
-def build_grammar(kind: str, value: Any, *, any_whitespace: bool = True) -> Any:
+def build_grammar(kind: str, value: ConstraintValue, *, any_whitespace: bool = True) -> Grammar:
     """The xgrammar Grammar of a constraint; raises GrammarError with xgrammar's reason, cleaned up."""
     import xgrammar as xgr
 
@@ -209,11 +219,13 @@ def build_grammar(kind: str, value: Any, *, any_whitespace: bool = True) -> Any:
             return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_whitespace,
                                                 max_whitespace_cnt=run)
         if kind == "regex":
-            return xgr.Grammar.from_regex(value)
+            return xgr.Grammar.from_regex(_text(kind, value))
         if kind == "choice":
+            if not isinstance(value, list):
+                raise GrammarError(f"the choice constraint must be a list; got {type(value).__name__}")
             return xgr.Grammar.from_ebnf(choice_ebnf(value))
         if kind == "grammar":
-            return xgr.Grammar.from_ebnf(value)
+            return xgr.Grammar.from_ebnf(_text(kind, value))
     except RuntimeError as exc:
         raise GrammarError(_clean(exc)) from None
     except UnicodeDecodeError:
@@ -222,11 +234,18 @@ def build_grammar(kind: str, value: Any, *, any_whitespace: bool = True) -> Any:
     raise GrammarError(f"unknown constraint kind {kind!r}; use one of {', '.join(CONSTRAINT_KINDS)}")
 
 
-def canonical_text(kind: str, value: Any) -> str:
+def _text(kind: str, value: ConstraintValue) -> str:
+    """A regex's or grammar's text (checked at construction: a str)."""
+    if not isinstance(value, str):
+        raise GrammarError(f"the {kind} constraint must be a string; got {type(value).__name__}")
+    return value
+
+
+def canonical_text(kind: str, value: ConstraintValue) -> str:
     """The constraint as one text: what its cache key hashes (JSON keeps the schema's key order)."""
     if kind in ("json", "choice"):
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    if kind == "json_object":
+    if kind == "json_object" or not isinstance(value, str):
         return ""
     return value
 
@@ -236,7 +255,7 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
-def xgrammar_schema(schema: Any) -> Any:
+def xgrammar_schema(schema: object) -> object:
     """The schema with string lengths written as patterns (see the module docstring); a copy."""
     if not isinstance(schema, dict):
         return schema
@@ -256,7 +275,7 @@ def xgrammar_schema(schema: Any) -> Any:
     return out
 
 
-def schema_problem(schema: Any, path: str = "#") -> str | None:
+def schema_problem(schema: object, path: str = "#") -> str | None:
     """What makes a JSON Schema unusable as a constraint (first found, with its JSON pointer), or None."""
     if isinstance(schema, bool):  # true: anything; false: nothing (as items or additionalProperties: none)
         return None
@@ -299,10 +318,11 @@ def schema_problem(schema: Any, path: str = "#") -> str | None:
     return None
 
 
-def _keyword_rules(schema: dict[str, Any], path: str) -> str | None:
+def _keyword_rules(schema: Mapping[str, object], path: str) -> str | None:
     """Rules between keywords of one schema that xgrammar would accept and then not enforce."""
-    if len(schema.get("allOf") or ()) > 1:
-        return f"{path}/allOf has {len(schema['allOf'])} schemas; merge them into one (allOf of one is fine)"
+    all_of = schema.get("allOf")  # a non-empty list when given (schema_problem checked it)
+    if isinstance(all_of, list) and len(all_of) > 1:
+        return f"{path}/allOf has {len(all_of)} schemas; merge them into one (allOf of one is fine)"
     if "multipleOf" in schema:
         step = schema["multipleOf"]
         if schema.get("type") != "integer" or not isinstance(step, int) or isinstance(step, bool) or step < 1:

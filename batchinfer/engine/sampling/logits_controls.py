@@ -20,18 +20,21 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence as Sequence_
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from cachetools import LRUCache
 
-from batchinfer.engine.core.sequence import Sequence
 from batchinfer.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from batchinfer.engine.core.tokenizer import TextTokenizer
+    from batchinfer.engine.sampling.sampled_row import SampledRow
 
 CONTROLS_CACHE_BYTES = 256 << 20  # precomputed rows of the requests in flight (a row is 4 x vocab bytes)
 
 
-def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+def bad_words_token_ids(tokenizer: TextTokenizer, words: list[str]) -> list[list[int]]:
     """The token id sequences of `words`, each as given (left-stripped) and after a space (vLLM's rule)."""
     out: list[list[int]] = []
     for word in words:
@@ -124,7 +127,7 @@ class ControlsCache:
         self._entries: LRUCache[tuple[int, int, int], RequestControls] = LRUCache(
             maxsize=max_bytes, getsizeof=lambda controls: controls.nbytes)
 
-    def get(self, seq: Any, vocab: int, device: torch.device) -> RequestControls:
+    def get(self, seq: SampledRow, vocab: int, device: torch.device) -> RequestControls:
         """The controls of `seq`'s request for logits `vocab` wide, built on first use."""
         params, bad_words = seq.params, seq.bad_words_token_ids
         key = (id(params), id(bad_words), vocab)
@@ -136,7 +139,7 @@ class ControlsCache:
         return controls
 
 
-def apply_logits_controls(logits: torch.Tensor, seqs: Sequence_[Sequence], rows: list[int],
+def apply_logits_controls(logits: torch.Tensor, seqs: Sequence_[SampledRow], rows: list[int],
                           cache: ControlsCache | None = None) -> None:
     """Apply each row's allowed_token_ids, bad_words and logit_bias to `logits`, in place: one batched add
     of the precomputed rows and one indexed write of the bad words' bans."""

@@ -11,7 +11,7 @@ skips the entries it already has.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,13 +19,16 @@ from batchinfer.engine.core.sequence import Sequence
 from batchinfer.engine.outputs import make_logprob_entry
 from batchinfer.engine.sampling.sampler import gather_logprobs
 
+if TYPE_CHECKING:
+    from batchinfer.engine.core.tokenizer import TextTokenizer
+
 
 def logits_counts(scheduled: Seq[tuple[Sequence, int]]) -> list[int]:
     """Logits asked per entry of a step: every scheduled token of a sequence collecting prompt logprobs."""
     return [num_new if seq.needs_prompt_logprobs else 1 for seq, num_new in scheduled]
 
 
-def collect(seq: Sequence, start: int, logits: torch.Tensor, tokenizer: Any) -> None:
+def collect(seq: Sequence, start: int, logits: torch.Tensor, tokenizer: TextTokenizer) -> None:
     """Append the prompt entries that positions start .. start + len(logits) - 1 (the rows) yield."""
     entries = seq.prompt_logprobs
     assert entries is not None

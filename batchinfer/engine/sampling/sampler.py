@@ -18,13 +18,16 @@ from __future__ import annotations
 from collections.abc import Sequence as Sequence_
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from batchinfer.engine.core.sequence import Sequence
 from batchinfer.engine.sampling.logits_controls import ControlsCache, apply_logits_controls
 from batchinfer.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from batchinfer.engine.sampling.sampled_row import SampledRow
 
 
 @dataclass
@@ -116,7 +119,7 @@ class Sampler:
     def process(
         self,
         logits: torch.Tensor,
-        seqs: Sequence_[Any],
+        seqs: Sequence_[SampledRow],
         eos_token_ids: AbstractSet[int],
         grammar: GrammarMask | None = None,
     ) -> ProcessedLogits:
@@ -259,7 +262,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _min_tokens_bans(seqs: Sequence_[Sequence], eos: AbstractSet[int]) -> tuple[list[int], list[int]]:
+def _min_tokens_bans(seqs: Sequence_[SampledRow], eos: AbstractSet[int]) -> tuple[list[int], list[int]]:
     """(rows, token ids) to mask: EOS and stop token ids of sequences still short of min_tokens."""
     rows: list[int] = []
     cols: list[int] = []

@@ -28,7 +28,9 @@ def check_stop(seq: Sequence, token_id: int, eos_token_ids: Container[int], max_
         status = SequenceStatus.FINISHED_STOPPED
     elif may_stop and params.stop_token_ids and token_id in params.stop_token_ids:
         status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token_id
-    stop_string = seq.detokenizer.update(token_ids, stop_terminated=status is not None, check_stop=may_stop)
+    detokenizer = seq.detokenizer
+    assert detokenizer is not None  # set by the engine when the request is added
+    stop_string = detokenizer.update(token_ids, stop_terminated=status is not None, check_stop=may_stop)
     if status is None and stop_string is not None:
         status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_string
     if status is None and (num_output >= seq.max_tokens or num_tokens >= max_model_len):

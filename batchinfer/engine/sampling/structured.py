@@ -34,16 +34,20 @@ import time
 from collections.abc import Sequence as Seq
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from cachetools import LRUCache
 
+from batchinfer.engine.sampling.grammar_state import GrammarState as GrammarState  # re-exported (engine)
 from batchinfer.engine.sampling.grammars import DEFAULT_GRAMMAR_BUDGET, GrammarError, build_grammar
 from batchinfer.engine.sampling_params import StructuredOutputsParams
 from batchinfer.fair_pool import FairPool
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from xgrammar import CompiledGrammar
+
     from batchinfer.engine.core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -60,26 +64,10 @@ COMPILED_CACHE_BYTES = 512 << 20  # compiled grammars kept for reuse (setting co
 FAILED_CACHE_BYTES = 1 << 20  # constraints that failed or timed out: their errors, by cache key
 
 
-class GrammarState:
-    """The grammar side of one constrained sequence: its compiled grammar (a future) and matcher."""
-
-    __slots__ = ("compiled", "matcher", "num_accepted")
-
-    def __init__(self, compiled: Future[Any]) -> None:
-        self.compiled = compiled
-        self.matcher: Any = None  # xgrammar GrammarMatcher, made when the compile is done
-        self.num_accepted = 0  # output tokens the matcher has accepted
-
-    @property
-    def ready(self) -> bool:
-        """True once the grammar finished compiling (successfully or not)."""
-        return self.compiled.done()
-
-
 class _Job(NamedTuple):
     key: str
     constraint: StructuredOutputsParams
-    future: Future[Any]
+    future: Future[CompiledGrammar]
 
 
 class GrammarBackend:
@@ -87,7 +75,7 @@ class GrammarBackend:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,  # xgrammar reads its whole vocabulary and decoder
         *,
         vocab_size: int,
         eos_token_ids: AbstractSet[int],
@@ -108,13 +96,14 @@ class GrammarBackend:
         self.compiler = xgr.GrammarCompiler(info, max_threads=XGRAMMAR_THREADS, cache_enabled=False)
         self.compile_timeout_s = compile_timeout_s
         self._lock = threading.Lock()
-        self._inflight: dict[str, Future[Any]] = {}  # queued or compiling, by cache key
+        self._inflight: dict[str, Future[CompiledGrammar]] = {}  # queued or compiling, by cache key
         # Owners with a job queued for an in-flight key, and the in-flight futures whose compile began: an
         # owner asking for a key another owner's queue holds gets its own job in its own turn (the first
         # to start compiles), so a tenant cannot hold up a common constraint behind its backlog.
         self._queued_for: dict[str, set[str]] = {}
-        self._started: set[Future[Any]] = set()
-        self._compiled: LRUCache[str, Future[Any]] = LRUCache(  # done futures: compile() hands out one
+        self._started: set[Future[CompiledGrammar]] = set()
+        # done futures: compile() hands out one
+        self._compiled: LRUCache[str, Future[CompiledGrammar]] = LRUCache(
             maxsize=cache_bytes, getsizeof=lambda done: _grammar_bytes(done.result()))
         self._failed: LRUCache[str, str] = LRUCache(maxsize=FAILED_CACHE_BYTES,
                                                     getsizeof=lambda error: 200 + len(error))
@@ -146,7 +135,8 @@ class GrammarBackend:
         with self._lock:
             return int(self._compiled.currsize)
 
-    def compile(self, constraint: StructuredOutputsParams, *, owner: str | None = None) -> Future[Any]:
+    def compile(self, constraint: StructuredOutputsParams, *,
+                owner: str | None = None) -> Future[CompiledGrammar]:
         """The compiled grammar of `constraint`, as a future: queued for `owner` unless cached or under way
         (a constraint that failed or timed out fails again at once)."""
         key, owner = constraint.cache_key, owner or ""
@@ -164,7 +154,7 @@ class GrammarBackend:
                     self._pool.submit(owner, self._run, _Job(key, constraint, future))
         if future is not None:
             return future
-        failed: Future[Any] = Future()
+        failed: Future[CompiledGrammar] = Future()
         failed.set_exception(GrammarError(error))
         return failed
 
@@ -189,6 +179,7 @@ class GrammarBackend:
                 self._queued_for.pop(job.key, None)
             if not job.future.done():
                 if error is None:
+                    assert compiled is not None  # _compile returned
                     job.future.set_result(compiled)
                     with contextlib.suppress(ValueError):  # larger than the whole cache: not kept
                         self._compiled[job.key] = job.future
@@ -210,7 +201,7 @@ class GrammarBackend:
             job.future.set_exception(GrammarError(error))
         logger.warning("grammar %s: %s", job.key[:12], error)
 
-    def _compile(self, constraint: StructuredOutputsParams) -> Any:
+    def _compile(self, constraint: StructuredOutputsParams) -> CompiledGrammar:
         start = time.perf_counter()
         grammar = build_grammar(constraint.kind, constraint.value,
                                 any_whitespace=not constraint.disable_any_whitespace)
@@ -233,6 +224,7 @@ class GrammarBackend:
         for row in rows:
             seq = seqs[row]
             state = seq.grammar
+            assert state is not None and state.matcher is not None  # a constrained, started row
             if state.num_accepted != seq.num_output_tokens:
                 sync(state, seq.output_token_ids)
             states.append(state.matcher)
@@ -242,13 +234,14 @@ class GrammarBackend:
 
     def accept(self, state: GrammarState, token_id: int) -> bool:
         """Advance the matcher by one sampled token; False if the grammar rejects it."""
+        assert state.matcher is not None  # started
         accepted = state.matcher.accept_token(token_id)
         if accepted:
             state.num_accepted += 1
         return accepted
 
 
-def _grammar_bytes(compiled: Any) -> int:
+def _grammar_bytes(compiled: CompiledGrammar) -> int:
     """What a compiled grammar costs the cache: xgrammar's own estimate (its token masks dominate)."""
     return max(int(getattr(compiled, "memory_size_bytes", 0) or 0), 1024)
 
@@ -256,6 +249,7 @@ def _grammar_bytes(compiled: Any) -> int:
 def sync(state: GrammarState, output: list[int]) -> None:
     """Bring the matcher to exactly `output` accepted: roll back extra tokens, replay missing ones."""
     matcher = state.matcher
+    assert matcher is not None  # started
     if not output:
         matcher.reset()
     elif state.num_accepted > len(output):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Set as AbstractSet
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -22,6 +22,10 @@ from batchinfer.engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
+    from xgrammar import CompiledGrammar
+
+    from batchinfer.engine.sampling.grammar_state import GrammarState
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # with nothing else to run, how long one step waits for a grammar to compile
@@ -30,7 +34,7 @@ GRAMMAR_WAIT_S = 0.05  # with nothing else to run, how long one step waits for a
 class StructuredRequests:
     """The grammar backend (made on first use) and the constrained requests still compiling, in order."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Any, *, vocab_size: int,
+    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase, *, vocab_size: int,
                  eos_token_ids: AbstractSet[int], device: str | torch.device) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -52,7 +56,7 @@ class StructuredRequests:
             )
         return self.backend
 
-    def compile(self, constraint: StructuredOutputsParams, *, owner: str | None) -> Future[Any]:
+    def compile(self, constraint: StructuredOutputsParams, *, owner: str | None) -> Future[CompiledGrammar]:
         """The compiled grammar's future, queued in `owner`'s turn; ValueError if it is known to fail."""
         compiled = self.grammars().compile(constraint, owner=owner)
         if compiled.done() and compiled.exception() is not None:
@@ -81,7 +85,7 @@ class StructuredRequests:
         failed); the rest stay held."""
         waiting, ready, failed = [], [], []
         for group in self.awaiting:
-            compiled = group.seqs[0].grammar.compiled
+            compiled = _grammar(group).compiled
             if not compiled.done():
                 waiting.append(group)
             elif compiled.exception() is None:
@@ -95,7 +99,7 @@ class StructuredRequests:
 
     def wait_for_one(self) -> None:
         """Nothing to run but compiles: wait (briefly) for one rather than spin."""
-        wait([group.seqs[0].grammar.compiled for group in self.awaiting], GRAMMAR_WAIT_S,
+        wait([_grammar(group).compiled for group in self.awaiting], GRAMMAR_WAIT_S,
              return_when=FIRST_COMPLETED)
 
     def mask(self, seqs: list[Sequence]) -> GrammarMask | None:
@@ -116,6 +120,7 @@ class StructuredRequests:
             logger.error("request %s: its grammar rejected sampled token %d", seq.request_id, token_id)
             seq.status = SequenceStatus.FINISHED_ABORTED
             return True
+        assert seq.grammar.matcher is not None  # started when the request was queued
         if seq.grammar.matcher.is_terminated():  # a stop token of the grammar that is not an EOS id
             seq.status = SequenceStatus.FINISHED_STOPPED
             return True
@@ -125,3 +130,10 @@ class StructuredRequests:
         """Stop the compile threads (a running compile is waited for: structured.py)."""
         if self.backend is not None:
             self.backend.close()
+
+
+def _grammar(group: SequenceGroup) -> GrammarState:
+    """A held request's grammar state (only constrained requests are held)."""
+    state = group.seqs[0].grammar
+    assert state is not None
+    return state

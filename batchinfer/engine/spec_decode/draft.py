@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +31,9 @@ from batchinfer.engine.models.resolved_model import resolve_model
 from batchinfer.engine.sampling.sampler import Sampler, argmax_rows
 from batchinfer.engine.spec_decode.rejection import sample_exponential_race
 from batchinfer.engine.speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from batchinfer.engine.core.sequence import Sequence as EngineSequence
 
 
 @dataclasses.dataclass
@@ -72,9 +75,10 @@ class DraftModelProposer:
         self.generator = torch.Generator(device=self.runner.device)
         self.generator.manual_seed(target_config.seed + 1)
         # seq -> (positions computed from real tokens, draft tokens the draft ran right after them)
-        self._state: weakref.WeakKeyDictionary[Any, tuple[int, list[int]]] = weakref.WeakKeyDictionary()
+        self._state: weakref.WeakKeyDictionary[EngineSequence, tuple[int, list[int]]] = \
+            weakref.WeakKeyDictionary()
 
-    def forget(self, seqs: Sequence[Any]) -> None:
+    def forget(self, seqs: Sequence[EngineSequence]) -> None:
         """Drop what the draft's cache held for `seqs` (preempted: their blocks went to others)."""
         for seq in seqs:
             self._state.pop(seq, None)
@@ -83,7 +87,7 @@ class DraftModelProposer:
         """Release the draft runner."""
         self.runner.close()
 
-    def _valid_prefix(self, seq: Any) -> int:
+    def _valid_prefix(self, seq: EngineSequence) -> int:
         """Positions of `seq` whose draft K/V is computed from its actual tokens."""
         state = self._state.get(seq)
         if state is None:
@@ -123,7 +127,8 @@ class DraftModelProposer:
         # every view ran to its end above: no None is left in out
         return out  # type: ignore[return-value]
 
-    def propose(self, seqs: Sequence[Any], max_tokens: Sequence[int]) -> list[tuple[list[int], Any]]:
+    def propose(self, seqs: Sequence[EngineSequence],
+                max_tokens: Sequence[int]) -> list[tuple[list[int], torch.Tensor | None]]:
         """Per sequence: (up to max_tokens[i] draft tokens, q [len, vocab] or None for greedy/seeded rows)."""
         views = [_DraftSeq(list(seq.token_ids), self._valid_prefix(seq), seq.block_table) for seq in seqs]
         sampled_rows = [not seq.params.is_greedy and seq.seed is None for seq in seqs]
@@ -156,7 +161,7 @@ class DraftModelProposer:
             self._state[seq] = (num_real, view.token_ids[num_real : view.num_computed_tokens])
         return [(d, torch.stack(q) if q else None) for d, q in zip(drafts, draft_probs, strict=True)]
 
-    def _choose(self, seqs: list[Any], logits: torch.Tensor,
+    def _choose(self, seqs: list[EngineSequence], logits: torch.Tensor,
                 sampled: list[bool]) -> tuple[list[int], torch.Tensor | None]:
         """Each row's draft token: argmax, or a sample of q for unseeded temperature > 0 rows (and q)."""
         tokens = argmax_rows(logits).tolist()

@@ -12,16 +12,33 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from batchinfer.engine.spec_decode import make_proposer
 from batchinfer.engine.spec_decode.verify import Proposal, verify
 from batchinfer.engine.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.core.sequence import Sequence as EngineSequence
+    from batchinfer.engine.sampling.sampler import SampleLogprobs, Sampler
+
+
+# The engine's per-token path: (sequence, token id, its logprobs or None, time.time()) -> None
+AppendToken = Callable[["EngineSequence", int, "SampleLogprobs | None", float], None]
+
+
+class SpecStats(TypedDict):
+    """The spec_* fields of EngineStats (metrics.py), as SpecDecodeCounts.as_stats gives them."""
+
+    spec_num_drafts: int
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+    spec_accepted_per_position: list[int]
 
 
 @dataclass
@@ -92,7 +109,7 @@ class SpecDecodeCounts:
             [n - (before[i] if i < len(before) else 0) for i, n in enumerate(self.accepted_per_position)],
         )
 
-    def as_stats(self) -> dict[str, Any]:
+    def as_stats(self) -> SpecStats:
         """The EngineStats fields (spec_*) of these counts."""
         return {"spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
                 "spec_num_accepted_tokens": self.num_accepted_tokens,
@@ -128,8 +145,9 @@ class Speculator:
                 step.proposals[row] = Proposal(seq, drafts, draft_probs)
         return step if step.proposals else None
 
-    def verify_and_append(self, step: SpeculativeStep, logits: Any, ends: list[int], sampler: Any,
-                          eos_token_ids: Any, append_token: Callable[..., None]) -> tuple[int, list[Any]]:
+    def verify_and_append(self, step: SpeculativeStep, logits: torch.Tensor, ends: list[int],
+                          sampler: Sampler, eos_token_ids: AbstractSet[int],
+                          append_token: AppendToken) -> tuple[int, list[EngineSequence]]:
         """Verify the speculating rows and append what they emit: (tokens appended, their sequences).
 
         Tokens go one by one through the engine's append_token (stop rules, logprobs, max_tokens), stopping
