@@ -1,9 +1,11 @@
 """EmbeddingQueue: a worker's /v1/embeddings requests, run between engine steps within a step's budget.
 
-An embeddings request is a plain forward per input outside the generation batch (Engine.embed). A line may
-hold up to 2048 inputs, each up to the model's context, so a whole line per loop turn could stall every
-generating request for minutes. Each turn runs inputs, in order, until max_num_batched_tokens tokens are
-read (one input at least, since an input is one forward), then hands back to the engine's next step.
+An embeddings request is a cache-free forward outside the generation batch (Engine.embed). A line may hold
+up to 2048 inputs, each up to the model's context, so a whole line per loop turn could stall every
+generating request for minutes. Each turn takes whole inputs, in arrival order and across the queued
+requests, up to max_num_batched_tokens tokens (one input at least), and runs them as ONE batched
+Engine.embed call (packed forwards: embed_forward.py), then hands back to the engine's next step: a
+turn costs about what a generation step of the same budget costs.
 The leases the worker holds are kept alive meanwhile by its LeaseKeeper (lease_keeper.py).
 """
 
@@ -12,9 +14,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from batchinfer.store.shards import PendingRequest
+from batchinfer.wire.result_row import ResultRow, SuccessRow
 from workers.result_rows import embedding_row, error_row
 
 if TYPE_CHECKING:
@@ -23,7 +26,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Work:
-    """A request being run input by input: its token ids (on its first turn) and the vectors so far."""
+    """A request being run a turn's share at a time: its token ids (on its first turn), its vectors so far."""
 
     shard_id: int
     request: PendingRequest
@@ -32,12 +35,21 @@ class _Work:
 
 
 @dataclass
+class _Slice:
+    """The inputs start .. end - 1 of a request, taken into this turn."""
+
+    work: _Work
+    start: int
+    end: int
+
+
+@dataclass
 class EmbeddingDone:
     """A finished embeddings request: its result (or error) row for its shard."""
 
     shard_id: int
     engine_id: str
-    row: dict[str, Any]
+    row: ResultRow
 
 
 class EmbeddingQueue:
@@ -53,39 +65,88 @@ class EmbeddingQueue:
         self._queue.append(_Work(shard_id, request))
 
     def run(self, wanted: Callable[[int, str], bool]) -> list[EmbeddingDone]:
-        """One turn's inputs; the requests finished. wanted(shard id, engine id): False drops a request whose
-        shard was released or dropped meanwhile."""
-        done = []
-        budget = self.engine.config.max_num_batched_tokens
-        while self._queue and budget > 0:
-            work = self._queue[0]
-            engine_id = str(work.request.request_id)
-            if not wanted(work.shard_id, engine_id):
-                self._queue.popleft()
-                continue
-            try:
-                budget -= self._embed_next(work)
-                if len(work.vectors) < len(work.token_ids or ()):
-                    continue
-                encoding = (work.request.options or {}).get("encoding_format", "float")
-                tokens = sum(map(len, work.token_ids or ()))
-                row = {**embedding_row(work.request, work.vectors, tokens, encoding), "model": self.model}
-            except (ValueError, TypeError) as exc:
-                row = error_row(work.request, "invalid_request", str(exc))
-            self._queue.popleft()
-            done.append(EmbeddingDone(work.shard_id, engine_id, row))
+        """One turn's inputs as one batched call; the requests finished. wanted(shard id, engine id): False
+        drops a request whose shard was released or dropped meanwhile."""
+        done: list[EmbeddingDone] = []
+        slices = self._take(wanted, done)
+        if not slices:
+            return done
+        failed: dict[int, str] = {}
+        try:
+            self._embed(slices)
+        except (ValueError, TypeError):
+            # One request's input is bad (too long): run each request's share alone, to fail only that one.
+            for part in slices:
+                try:
+                    self._embed([part])
+                except (ValueError, TypeError) as exc:
+                    failed[id(part.work)] = str(exc)
+        for part in slices:
+            work = part.work
+            error = failed.get(id(work))
+            if error is None and len(work.vectors) < len(work.token_ids or ()):
+                continue  # more of it next turn
+            self._queue.remove(work)
+            done.append(EmbeddingDone(work.shard_id, str(work.request.request_id), self._row(work, error)))
         return done
 
-    def _embed_next(self, work: _Work) -> int:
-        """Pool the request's next input (tokenizing them all on its first turn); the tokens it read."""
+    def _take(self, wanted: Callable[[int, str], bool], done: list[EmbeddingDone]) -> list[_Slice]:
+        """Whole inputs from the front of the queue up to the step budget (one at least); a request that
+        cannot be tokenized is finished with its error row into done."""
+        budget = self.engine.config.max_num_batched_tokens
+        slices: list[_Slice] = []
+        tokens = 0
+        for work in list(self._queue):
+            if not wanted(work.shard_id, str(work.request.request_id)):
+                self._queue.remove(work)
+                continue
+            try:
+                ids = self._token_ids(work)
+            except (ValueError, TypeError) as exc:
+                self._queue.remove(work)
+                engine_id = str(work.request.request_id)
+                done.append(EmbeddingDone(work.shard_id, engine_id, self._row(work, str(exc))))
+                continue
+            start = end = len(work.vectors)
+            while end < len(ids) and (tokens == 0 or tokens + len(ids[end]) <= budget):
+                tokens += len(ids[end])
+                end += 1
+            if end > start or not ids:
+                slices.append(_Slice(work, start, end))
+            if end < len(ids):  # the budget is spent
+                break
+        return slices
+
+    def _token_ids(self, work: _Work) -> list[list[int]]:
+        """The request's inputs as token ids (tokenized on its first turn)."""
         if work.token_ids is None:
-            work.token_ids = []
+            token_ids = []
             for i, text in enumerate((work.request.options or {})["input"]):
                 try:
-                    work.token_ids.append(self.engine.tokenize(text))
+                    token_ids.append(self.engine.tokenize(text))
                 except ValueError as exc:
                     raise ValueError(f"input[{i}]: {exc}") from None
-        index = len(work.vectors)
-        vectors, tokens = self.engine.embed([work.token_ids[index]], first_index=index)
-        work.vectors += vectors
-        return tokens
+            work.token_ids = token_ids
+        return work.token_ids
+
+    def _embed(self, slices: list[_Slice]) -> None:
+        """One Engine.embed over the slices' inputs; each request's vectors extended by its share."""
+        inputs: list[str | list[int]] = []
+        for part in slices:
+            inputs += (part.work.token_ids or [])[part.start : part.end]
+        vectors, _ = self.engine.embed(inputs, first_index=slices[0].start if len(slices) == 1 else 0)
+        at = 0
+        for part in slices:
+            count = part.end - part.start
+            part.work.vectors += vectors[at : at + count]
+            at += count
+
+    def _row(self, work: _Work, error: str | None) -> ResultRow:
+        """The request's result row, or its error row."""
+        if error is not None:
+            return error_row(work.request, "invalid_request", error)
+        encoding = (work.request.options or {}).get("encoding_format", "float")
+        tokens = sum(map(len, work.token_ids or ()))
+        row: SuccessRow = embedding_row(work.request, work.vectors, tokens, encoding)
+        row["model"] = self.model
+        return row

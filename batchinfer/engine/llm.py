@@ -9,6 +9,7 @@ prompts sharing a prefix reuse each other's KV blocks), and outputs come back in
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -83,15 +84,18 @@ class LLM:
 
     def embed(self, prompts: PromptType | list[PromptType], *, use_tqdm: bool = True
               ) -> list[EmbeddingRequestOutput]:
-        """Each prompt's mean-pooled, L2-normalised last hidden state, in input order (vLLM's LLM.embed)."""
+        """Each prompt's mean-pooled, L2-normalised last hidden state, in input order (vLLM's LLM.embed).
+
+        The prompts run in packed batches (ModelRunner.embed), a step budget of tokens per forward."""
         _, token_ids = self._prompts(prompts)
         outputs = []
         with _progress(len(token_ids), enabled=use_tqdm, what="Embedding prompts") as advance:
-            for i, ids in enumerate(token_ids):
-                try:
-                    (vector,), _ = self.engine.embed([ids])
-                except ValueError as exc:
-                    raise ValueError(f"prompts[{i}]: {exc}") from None
+            try:
+                vectors, _ = self.engine.embed(token_ids)
+            except ValueError as exc:  # Engine.embed names input[i]: i is the prompt's index here
+                index = re.match(r"input\[(\d+)\]", str(exc))
+                raise ValueError(f"prompts[{index.group(1) if index else '?'}]: {exc}") from None
+            for ids, vector in zip(token_ids, vectors, strict=True):
                 request_id = f"embed-{next(self._ids)}"
                 outputs.append(EmbeddingRequestOutput(request_id, EmbeddingOutput(vector), ids))
                 advance()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence as AbstractSequence
 from collections.abc import Set as AbstractSet
 from itertools import accumulate
 
@@ -228,8 +229,11 @@ class Engine:
         return prompt_token_ids(self.tokenizer, prompt, vocab_size=self.vocab_size,
                                 add_special_tokens=add_special_tokens)
 
-    def embed(self, inputs: list[str | list[int]], *, first_index: int = 0) -> tuple[list[list[float]], int]:
+    def embed(self, inputs: AbstractSequence[str | list[int]], *, first_index: int = 0
+              ) -> tuple[list[list[float]], int]:
         """(each input's normalised mean-pooled embedding, tokens read); outside the generation batch.
+
+        All inputs go to the runner at once: it packs them into forwards of up to max_num_batched_tokens.
 
         first_index: the position of inputs[0] in its line (error messages name input[first_index + i]).
         A runner that cannot pool (pipeline stages) raises ValueError naming the setting."""

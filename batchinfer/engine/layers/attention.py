@@ -8,6 +8,8 @@ Two backends, picked per step by the model runner (EngineConfig.attention_backen
   depend only on the batch layout, so attention_plan.build_torch_plan computes them once per step for
   all layers. On CPU in float32, decode tokens (one query per sequence) instead go to the native kernel
   of cpu_attention, which reads the blocks in place (no padded copy); prefill chunks keep SDPA.
+- "dense" (embeddings, any device): whole inputs packed, no cache read or written; one causal SDPA per
+  group of similar-length inputs padded at the end (attention_plan.build_dense_groups).
 
 Cache layout (ARCHITECTURE.md, contract 4), shared with kernels/: k_cache/v_cache
 [num_blocks, block_size, num_kv_heads, head_dim]; position p of a sequence is row p % block_size of block
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.engine.layers import cpu_attention
-from batchinfer.engine.layers.attention_plan import TorchAttentionPlan
+from batchinfer.engine.layers.attention_plan import DenseGroup, TorchAttentionPlan
 from batchinfer.engine.layers.context import get_context
 from batchinfer.engine.layers.quantized_attention import QuantizedKV, quantized_paged_attention
 
@@ -105,10 +107,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (rotated) -> attention output [T, H * D]."""
         ctx = get_context()
-        if ctx.backend == "dense":  # one sequence, no KV cache (ModelRunner.embed)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               is_causal=True, scale=self.scale,
-                                               enable_gqa=self.num_heads != self.num_kv_heads).transpose(0, 1)
+        if ctx.backend == "dense":  # packed whole inputs, no KV cache (ModelRunner.embed)
+            o = self._dense(q, k, v, ctx.dense_groups)
         elif ctx.backend == "triton":
             import kernels
 
@@ -132,3 +132,25 @@ class Attention(nn.Module):
             else:
                 o = torch_paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.torch_plan, self.scale)
         return o.reshape(-1, self.num_heads * self.head_dim)
+
+    def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[DenseGroup] | None
+               ) -> torch.Tensor:
+        """Causal attention within each packed input, no cache: one SDPA per group of similar lengths."""
+        gqa = self.num_heads != self.num_kv_heads
+        if groups is None:  # the tokens are one input
+            return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                  is_causal=True, scale=self.scale,
+                                                  enable_gqa=gqa).transpose(0, 1)
+        parts = []
+        for g in groups:
+            n, length = g.num_seqs, g.length
+            rows: tuple[torch.Tensor, ...] = (q, k, v)
+            if g.token_index is None:
+                rows = tuple(t.narrow(0, g.start, n * length) for t in rows)
+            else:
+                rows = tuple(t.index_select(0, g.token_index) for t in rows)
+            gq, gk, gv = (t.view(n, length, t.shape[1], t.shape[2]).transpose(1, 2) for t in rows)
+            o = F.scaled_dot_product_attention(gq, gk, gv, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            o = o.transpose(1, 2).reshape(n * length, self.num_heads, self.head_dim)
+            parts.append(o if g.valid_rows is None else o.index_select(0, g.valid_rows))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -2,7 +2,8 @@
 sequences are grouped into padded scaled_dot_product_attention calls (gather indices and masks).
 
 It depends only on the batch layout, so the model runner builds it once per step (build_torch_plan)
-and every attention layer reads it from the step's AttentionContext.
+and every attention layer reads it from the step's AttentionContext. The cache-free "dense" forward of
+packed embeddings inputs has its own, simpler plan (build_dense_groups: causal SDPA per group, no cache).
 """
 
 from __future__ import annotations
@@ -168,3 +169,66 @@ def _native_decode_batch(
         block_tables=torch.tensor(tables, dtype=torch.int32).to(device),
         seq_lens=torch.tensor([seq_lens[s] for s in decodes], dtype=torch.int32).to(device),
     )
+
+
+@dataclass
+class DenseGroup:
+    """Whole inputs of a cache-free packed forward attended in one causal SDPA call, padded at the end.
+
+    Right padding keeps causal attention exact for the real rows: a real query sees only earlier positions
+    of its own input, never a pad. The group's members are consecutive in the packing.
+    token_index [n*length] packed token feeding each padded row (None: the group has no padding)
+    valid_rows  rows of the padded output that are real tokens, in packed order (None: all of them)
+    """
+
+    start: int  # first packed token of the group
+    num_seqs: int
+    length: int
+    token_index: torch.Tensor | None
+    valid_rows: torch.Tensor | None
+
+
+def build_dense_groups(lengths: list[int], device: torch.device) -> list[DenseGroup]:
+    """Groups of the packed inputs (lengths in packing order, ascending best), bounding the padded work.
+
+    Attention work grows with length squared, so a group's padding is judged by n * max_len**2 against the
+    sum of len**2 (GROUP_WASTE_FACTOR, GROUP_WASTE_SLACK as the paged groups).
+    """
+    groups: list[DenseGroup] = []
+    members: list[int] = []
+    start = first = 0
+    actual = 0
+
+    def close() -> None:
+        length = max(members)
+        n = len(members)
+        token_index: list[int] = []
+        valid_rows: list[int] = []
+        at = first
+        for i, size in enumerate(members):
+            token_index.extend(at + min(r, size - 1) for r in range(length))  # pad rows repeat the last token
+            valid_rows.extend(range(i * length, i * length + size))
+            at += size
+        padded = len(valid_rows) != n * length
+        groups.append(DenseGroup(
+            start=first, num_seqs=n, length=length,
+            token_index=torch.tensor(token_index, dtype=torch.long, device=device) if padded else None,
+            valid_rows=torch.tensor(valid_rows, dtype=torch.long, device=device) if padded else None,
+        ))
+
+    for size in lengths:
+        if size < 1:
+            raise ValueError("an embeddings input needs at least one token")
+        if members:
+            new_max = max(max(members), size)
+            padded_work = (len(members) + 1) * new_max * new_max
+            new_actual = actual + size * size
+            if padded_work > GROUP_WASTE_FACTOR * new_actual and padded_work - new_actual > GROUP_WASTE_SLACK:
+                close()
+                first, members, actual = start, [], 0
+        members.append(size)
+        actual += size * size
+        start += size
+    if members:
+        close()
+    return groups

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from batchinfer.engine.layers.attention_plan import TorchAttentionPlan
+    from batchinfer.engine.layers.attention_plan import DenseGroup, TorchAttentionPlan
     from batchinfer.engine.lora.layers import LoRABatch
 
 
@@ -24,6 +24,8 @@ class AttentionContext:
     seq_lens      [S] int32   context of s after this step (cached + new tokens)
     block_tables  [S, B] int32 physical blocks of s, padded with -1
     lora          the adapter segments of the packed tokens (None: every token runs the base model)
+    dense_groups  backend "dense" (cache-free embeddings forward): the packed inputs' causal SDPA groups
+                  (None: the tokens are one input)
     """
 
     slot_mapping: torch.Tensor
@@ -32,9 +34,10 @@ class AttentionContext:
     block_tables: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
-    backend: str  # "torch" or "triton"
+    backend: str  # "torch", "triton" or "dense" (no KV cache: embeddings)
     torch_plan: TorchAttentionPlan | None = None  # gather/mask plan of the torch backend
     lora: LoRABatch | None = None  # per active adapter its token rows (lora/layers.py); None: no LoRA work
+    dense_groups: list[DenseGroup] | None = None  # backend "dense" only
 
 
 _CONTEXT: AttentionContext | None = None

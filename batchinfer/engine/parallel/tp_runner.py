@@ -6,7 +6,7 @@ ModelRunner over its slice of the weights and KV cache. It spawns ranks 1..N-1 a
 own slices and a loop that waits for the next command on the StepChannel and runs it. Every step, rank 0
 publishes the step layout, then runs its own forward; the ranks meet in the collectives of the layers
 (one all-reduce per o_proj / down_proj and the embedding, one gather of the vocab shards of the logits).
-Embeddings go the same way, one input per command: every rank runs the pooling forward, rank 0 pools.
+Embeddings go the same way, one packed chunk of inputs per command: every rank runs the forward, rank 0 pools.
 It implements ModelRunnerProtocol member by member; nothing is forwarded to rank 0 implicitly.
 
 Startup order: rank 0 validates the size, starts the workers (each is handed the model the Engine
@@ -37,6 +37,7 @@ from batchinfer.engine.errors import RankFailedError
 from batchinfer.engine.models.resolved_model import ResolvedModel, resolve_model
 from batchinfer.engine.parallel import distributed
 from batchinfer.engine.parallel.rank_processes import CONTEXT, RankProcess, spawn_rank, wait_started
+from batchinfer.engine.worker.embed_forward import plan_chunks
 from batchinfer.engine.worker.model_runner import ModelRunner
 from batchinfer.engine.worker.runner_protocol import ScheduledSequence
 
@@ -93,10 +94,27 @@ def _free_port() -> int:
 
 def _step_capacity_words(config: EngineConfig, max_model_len: int) -> int:
     """Upper bound of one command: a step's layout (5 words per sequence, its new tokens, its block table),
-    an embeddings input (up to max_model_len token ids) or a LoRA adapter's name and path (4 KiB)."""
+    an embeddings chunk (framed: up to max_num_batched_tokens tokens of as many inputs, or one input of up
+    to max_model_len) or a LoRA adapter's name and path (4 KiB)."""
     max_blocks = math.ceil(max_model_len / config.block_size)
     step = 5 * config.max_num_seqs + config.max_num_batched_tokens + config.max_num_seqs * max_blocks
-    return max(step, max_model_len, 1024)
+    embed_chunk = max(2 * config.max_num_batched_tokens, max_model_len + 1) + 1
+    return max(step, embed_chunk, 1024)
+
+
+def frame_embed_chunk(inputs: list[list[int]]) -> list[int]:
+    """An embeddings chunk as one word list: [n, len_1 .. len_n, ids of input 1, ..., ids of input n]."""
+    return [len(inputs), *(len(ids) for ids in inputs), *(t for ids in inputs for t in ids)]
+
+
+def unframe_embed_chunk(words: list[int]) -> list[list[int]]:
+    """The inputs of a framed chunk (frame_embed_chunk's inverse)."""
+    n = words[0]
+    out, at = [], 1 + n
+    for size in words[1 : 1 + n]:
+        out.append(words[at : at + size])
+        at += size
+    return out
 
 
 def _threads_per_rank(tp_size: int) -> int:
@@ -175,13 +193,17 @@ class TensorParallelRunner:
         return runner.execute_model(scheduled, counts)
 
     def embed(self, token_id_lists: Sequence[list[int]]) -> list[list[float]]:
-        """Every rank runs each input's pooling forward (its all-reduces need them all); rank 0 pools."""
+        """Every rank runs each chunk's packed pooling forward (its all-reduces need them all); rank 0 pools.
+
+        One message per chunk (embed_forward.plan_chunks): the chunk's inputs framed as one word list."""
         runner, channel = self._rank0(), self._channel()
-        vectors = []
-        for ids in token_id_lists:
+        vectors: list[list[float]] = [[] for _ in token_id_lists]
+        for chunk in plan_chunks([len(ids) for ids in token_id_lists], runner.config.max_num_batched_tokens):
+            inputs = [list(token_id_lists[i]) for i in chunk]
             self._check_workers_alive()
-            channel.send_embed(list(ids))
-            vectors += runner.embed([ids])
+            channel.send_embed(frame_embed_chunk(inputs))
+            for i, vector in zip(chunk, runner.embed(inputs), strict=True):
+                vectors[i] = vector
         return vectors
 
     def add_lora(self, lora_request: LoRARequest) -> None:
@@ -260,7 +282,7 @@ def _worker_main(
                     finally:  # rank 0 waits in this collective: join it whatever happened
                         distributed.all_reduce_min_int(loaded, runner.device)
                 elif isinstance(command, distributed.EmbedInput):
-                    runner.embed([command.token_ids])
+                    runner.embed(unframe_embed_chunk(command.token_ids))
                 else:
                     runner.execute_model(*command)
             except ValueError:

@@ -41,9 +41,11 @@ from batchinfer.engine.models.loader import load_weights
 from batchinfer.engine.models.resolved_model import ResolvedModel, resolve_model
 from batchinfer.engine.parallel.distributed import all_reduce_min_int
 from batchinfer.engine.worker.cuda_graphs import DecodeGraphs
+from batchinfer.engine.worker.embed_forward import embed_batched
 from batchinfer.engine.worker.native_step import NativeStep
 
 if TYPE_CHECKING:  # the one architecture; imported for types only
+    from batchinfer.engine.lora.request import LoRARequest
     from batchinfer.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -176,7 +178,7 @@ class ModelRunner:
     def close(self) -> None:
         """Nothing outlives a step on one rank (ModelRunnerProtocol's close)."""
 
-    def add_lora(self, lora_request: Any) -> None:
+    def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check a request's adapter (lora.adapter.LoRAError if it cannot run on this model)."""
         if self.lora_manager is None:
             raise ValueError("lora_request: this engine was started without enable_lora")
@@ -349,20 +351,10 @@ class ModelRunner:
     def embed(self, token_id_lists: Sequence[list[int]]) -> list[list[float]]:
         """Each input's last hidden state (after the final norm), mean-pooled over its tokens, L2-normalised.
 
-        A plain causal forward per input: the KV cache, block tables and prefix cache are not touched.
+        Packed cache-free forwards of up to max_num_batched_tokens tokens (embed_forward.py): the KV cache,
+        block tables and prefix cache are not touched.
         """
-        empty = torch.empty(0, dtype=torch.int32, device=self.device)
-        out = []
-        for ids in token_id_lists:
-            set_context(AttentionContext(empty, empty, empty, empty, len(ids), len(ids), "dense"))
-            try:
-                input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-                hidden = self.model(input_ids, torch.arange(len(ids), device=self.device))
-            finally:
-                set_context(None)
-            pooled = hidden.float().mean(dim=0)
-            out.append(torch.nn.functional.normalize(pooled, dim=0).tolist())
-        return out
+        return embed_batched(self.model, token_id_lists, self.device, self.config.max_num_batched_tokens)
 
 
 def _last_positions(last: torch.Tensor, counts: Sequence[int], q_lens: list[int]) -> torch.Tensor:
