@@ -69,14 +69,16 @@ def load_line() -> str:
     return f"uptime: {uptime} (running/total tasks now {running})"
 
 
-def engine_options(precision: str, int8_dtype: str = "auto") -> tuple[dict, str | None]:
-    """LLM options of a precision row, or ({}, why the engine cannot run it yet)."""
+def engine_options(precision: str, int8_dtype: str = "auto",
+                   kv_cache_dtype: str = "auto") -> tuple[dict, str | None]:
+    """LLM options of a precision row (and KV cache dtype), or ({}, why the engine cannot run it yet)."""
     from batchinfer.engine.config import EngineConfig
 
+    kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
     if precision == "fp32":
-        return {"dtype": "float32"}, None
+        return {"dtype": "float32", **kv}, None
     if precision == "bf16":
-        return {"dtype": "bfloat16"}, None
+        return {"dtype": "bfloat16", **kv}, None
     if "quantization" not in EngineConfig.field_names():
         return {}, "EngineConfig has no `quantization` option yet"
-    return {"quantization": "int8", "dtype": int8_dtype}, None
+    return {"quantization": "int8", "dtype": int8_dtype, **kv}, None

@@ -147,12 +147,13 @@ def run_continuous(model, prompts, budgets, eos: frozenset[int] | None) -> Resul
     return Result(TRANSFORMERS_CB, "fp32", tokens, seconds, cpu, outputs)
 
 
-def run_ours(prompts, budgets, precision: str, args, eos: frozenset[int]) -> Result | str:
+def run_ours(prompts, budgets, precision: str, args, eos: frozenset[int],
+             kv_cache_dtype: str = "auto") -> Result | str:
     """batchinfer's engine on the same token ids; the Result, or why the precision was skipped."""
     from batchinfer.engine.llm import LLM
     from batchinfer.engine.sampling_params import SamplingParams
 
-    options, skipped = engine_options(precision, args.int8_dtype)
+    options, skipped = engine_options(precision, args.int8_dtype, kv_cache_dtype)
     if skipped:
         return skipped
     try:
@@ -177,7 +178,7 @@ def run_ours(prompts, budgets, precision: str, args, eos: frozenset[int]) -> Res
 
 def run_peers(args, model_path: Path, prompts, budgets, eos: frozenset[int]) -> dict[str, Result | str]:
     """OpenVINO GenAI at each precision, each row in a child process of the peers venv."""
-    from batchinfer.engine.models.loader import cache_dir
+    from batchinfer.engine.model_files import cache_dir
 
     workload = {"prompts": prompts, "budgets": budgets, "eos_token_ids": sorted(eos),
                 "ignore_eos": args.ignore_eos}
@@ -278,6 +279,10 @@ def main() -> None:
                              "default: the usable cores)")
     parser.add_argument("--precision", action="append", choices=PRECISIONS,
                         help="batchinfer precisions to run (repeatable; default: all)")
+    parser.add_argument("--kv-cache-dtype", action="append",
+                        choices=["auto", "bf16", "fp8_e4m3", "int8", "u8"],
+                        help="KV cache dtype of our rows (repeatable: each precision runs once per value; "
+                             "default auto; rows other than auto are listed as <precision>+kv-<dtype>)")
     parser.add_argument("--int8-dtype", default="auto", help="compute dtype of the int8 row")
     parser.add_argument("--peers-python",
                         help="python of the peers venv (make bench-peers): adds OpenVINO GenAI")
@@ -322,10 +327,12 @@ def main() -> None:
         gc.collect()
     ours: dict[str, Result | str] = {}
     for precision in args.precision or PRECISIONS:
-        ours[precision] = run_ours(prompts, budgets, precision, args, model_eos)
-        result = ours[precision]
-        print(result.line() if isinstance(result, Result)
-              else f"  batchinfer [{precision}]: skipped: {result}")
+        for kv in args.kv_cache_dtype or ["auto"]:
+            key = precision if kv == "auto" else f"{precision}+kv-{kv}"  # auto rows: compared to the peers
+            ours[key] = run_ours(prompts, budgets, precision, args, model_eos, kv)
+            result = ours[key]
+            print(result.line() if isinstance(result, Result)
+                  else f"  batchinfer [{key}]: skipped: {result}")
     peers: dict[str, Result | str] = {}
     if args.peers_python:
         peers = run_peers(args, path, prompts, budgets, model_eos)

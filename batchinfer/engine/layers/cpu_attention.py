@@ -4,11 +4,13 @@ The C++ lives in csrc/ (paged_attention.cpp here; fused_ops.cpp and gguf_linear.
 
 Why: on CPU, decode attention is memory-bound. The pure-torch path gathers each sequence's blocks into a
 padded batch (read + write) and SDPA reads that copy again; this kernel reads every cached K/V row once,
-straight from the blocks (AVX2/FMA for head_dim 64 and 128, portable loops otherwise): ~15x faster than
+straight from the blocks (AVX-512 (+avx512_bf16 dot products) or AVX2/FMA for head_dim 64 and 128,
+portable loops otherwise; `set_isa` caps the path for A/B runs): ~15x faster than
 the gather + SDPA path per layer at 128 sequences of ~170 tokens on 2 cores (2.3 ms vs 34 ms). It handles
 decode tokens (one query per sequence, the bulk of the steps); prefill chunks keep the SDPA path, whose
 GEMMs suit many queries per sequence. float32 and bfloat16 caches (NATIVE_DTYPES); a bf16 row is widened
-to float32 in registers, and scores, softmax and sums stay float32.
+to float32 in registers, and scores, softmax and sums stay float32. A quantized cache of int8 / u8 codes
+(kv_quant.py; QUANTIZED_CODES) is read by paged_decode_attention_quantized, dequantized in registers.
 
 Built with torch.utils.cpp_extension (g++, ninja) by native_build.py: once per installation and cache
 key (sources, torch, Python, flags, CPU), at install by `batchinfer build-kernels`, else on first use with
@@ -33,6 +35,8 @@ _extension: Any = None
 _attempted = False
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # the element types the kernel reads and writes
+QUANTIZED_CODES = (torch.int8, torch.uint8)  # code dtypes of the quantized caches the kernel reads
+ISAS = ("auto", "generic", "avx2", "avx512", "avx512_bf16")  # set_isa's choices (auto: the best built)
 
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # -march=native: the CPU tag is in the key
 LDFLAGS = ["-fopenmp"]
@@ -97,3 +101,36 @@ def paged_decode_attention(
     """out[s] = attention of q[s] (at position seq_lens[s] - 1) over its first seq_lens[s] cached keys."""
     _extension.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
     return out
+
+
+def paged_decode_attention_quantized(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_params: torch.Tensor,
+    v_params: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """paged_decode_attention over int8/u8 codes [NB, BS, Hkv, D] with float32 params [NB, BS, Hkv, P]."""
+    _extension.paged_decode_attention_quantized(out, q, k_codes, v_codes, k_params, v_params, block_tables,
+                                                seq_lens, scale)
+    return out
+
+
+def supports_quantized(codes: torch.dtype, dtype: torch.dtype) -> bool:
+    """True when the kernel reads codes of this dtype for queries of dtype (and the extension is built)."""
+    ext = load() if codes in QUANTIZED_CODES and dtype in NATIVE_DTYPES else None
+    return ext is not None and hasattr(ext, "paged_decode_attention_quantized")
+
+
+def set_isa(name: str) -> str:
+    """Cap the kernels' path (one of ISAS) in this process; returns the path taken (<= the best built)."""
+    if name not in ISAS:
+        raise ValueError(f"unknown decode attention path {name!r}: one of {', '.join(ISAS)}")
+    ext = load()
+    if ext is None:
+        raise RuntimeError("the native CPU kernels are not available")
+    return str(ext.set_decode_attention_isa(name))

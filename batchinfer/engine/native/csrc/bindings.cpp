@@ -7,6 +7,10 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", torch::wrap_pybind_function(paged_decode_attention), "paged_decode_attention");
+  m.def("paged_decode_attention_quantized", torch::wrap_pybind_function(paged_decode_attention_quantized),
+        "paged_decode_attention_quantized");
+  m.def("set_decode_attention_isa", &set_decode_attention_isa, "set_decode_attention_isa");
+  m.def("decode_attention_isa", &decode_attention_isa, "decode_attention_isa");
   m.def("rotary_", torch::wrap_pybind_function(rotary_), "rotary_");
   m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
   m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");

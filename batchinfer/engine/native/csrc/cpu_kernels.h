@@ -12,9 +12,10 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -23,6 +24,11 @@ using bf16 = at::BFloat16;
 // paged_attention.cpp
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+void paged_decode_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor k_codes,
+                                      torch::Tensor v_codes, torch::Tensor k_params, torch::Tensor v_params,
+                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+std::string set_decode_attention_isa(const std::string& name);  // caps the path; returns the one taken
+std::string decode_attention_isa();                               // the path the kernels take now
 
 // fused_ops.cpp
 void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);

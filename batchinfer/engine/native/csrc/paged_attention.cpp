@@ -10,8 +10,46 @@
 // block_tables [S, MB] int32; seq_lens [S] int32. Query head h reads kv head h / (H / Hkv).
 // Element type float32 or bfloat16 (q, caches and out alike); scores, softmax and accumulation are float32,
 // so a bf16 cache only halves the bytes read (decode attention is memory-bound).
+// paged_decode_attention_quantized reads a cache of int8 / u8 codes with float32 params [NB, BS, Hkv, P]
+// beside them (layers/kv_quant.py's formats: P = 1 scale, or 2 scale and zero point), a quarter / half the
+// bytes of fp32 / bf16: value = code * scale (+ zero point), applied in registers.
+//
+// Paths (issue 34): AVX-512 where the build has it (-march=native; the CPU flags are in the build key), with
+// avx512_bf16's dot products for q.k over bf16 keys; AVX2/FMA; portable loops. set_decode_attention_isa
+// caps the path at run time (A/B benches, tests of every path on one machine).
 
 #include "cpu_kernels.h"
+
+#include <atomic>
+
+namespace {
+
+// The kernel paths, slowest first; the best one this build has is kBest.
+enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr int kBest = kAvx512Bf16;
+#elif defined(__AVX512F__)
+constexpr int kBest = kAvx512;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kBest = kAvx2;
+#else
+constexpr int kBest = kGeneric;
+#endif
+constexpr const char* kIsaNames[] = {"generic", "avx2", "avx512", "avx512_bf16"};
+std::atomic<int> g_isa{kBest};  // the path the kernels take now (<= kBest)
+
+// One (sequence, kv head)'s view of a paged cache: rows of D elements, and (quantized) P params per row.
+template <typename K>
+struct CacheView {
+  const K* data;
+  int64_t row, block_stride, hk_off;  // elements between tokens, between blocks; this head's offset
+  const float* params = nullptr;      // [NB, BS, Hkv, P] float32, or none
+  int64_t num_params = 0, prow = 0, pblock = 0, phk = 0;
+  const K* block(int32_t b) const { return data + b * block_stride + hk_off; }
+  const float* block_params(int32_t b) const { return params ? params + b * pblock + phk : nullptr; }
+};
+
+}  // namespace
 
 static inline void softmax_rows(float* scores, int64_t G, int64_t L, float* inv_sum) {
   for (int64_t g = 0; g < G; ++g) {
@@ -83,89 +121,312 @@ static void item_avx2(const T* qrow, int64_t q_h, const T* kp, const T* vp, cons
 }
 #endif
 
-template <typename T>
-static void item_generic(const T* qrow, int64_t q_h, const T* kp, const T* vp, const int32_t* table,
-                         int64_t L, int64_t G, int64_t D, int64_t BS, int64_t row, int64_t block_stride,
-                         int64_t hk_off, float scale, float* scores, float* inv_sum, float* acc, T* op,
-                         int64_t o_h) {
+#if defined(__AVX512F__)
+// ---- AVX-512 (issue 34): 16 lanes, 8 keys reduced together, the G query heads of a kv head per key load ----
+// Also reads 1-byte codes (int8 / u8 with per-(token, head) params): a code row is dequantized in registers,
+// so the quantized cache reads half the bytes of bf16.
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const bf16* p) {  // widen: a bf16 is the high half of a float32 (exact)
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline __m512 load16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void store16(bf16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+#else
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int i = 0; i < 16; ++i) p[i] = bf16(tmp[i]);
+#endif
+}
+
+static inline __m256 half_sum(__m512 v) {  // 16 lanes -> 8 (AVX512F only: no extractf32x8)
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// The lane sums of 8 vectors, in order: one transpose-add tree instead of 8 horizontal reductions.
+static inline __m256 reduce8(const __m512* a) {
+  __m256 h[8];
+  for (int j = 0; j < 8; ++j) h[j] = half_sum(a[j]);
+  const __m256 s01 = _mm256_hadd_ps(h[0], h[1]), s23 = _mm256_hadd_ps(h[2], h[3]);
+  const __m256 s45 = _mm256_hadd_ps(h[4], h[5]), s67 = _mm256_hadd_ps(h[6], h[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// q . k over D = 16 * D16 values: q as float32 (qf), or as bf16 pairs (qb) for avx512_bf16's dot products.
+template <int D16, typename K, bool kDp>
+static inline __m512 dot16(const float* qf, const bf16* qb, const K* k) {
+#if defined(__AVX512BF16__)
+  if constexpr (kDp) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < D16 / 2; ++i) {
+      const __m512i qv = _mm512_loadu_si512(qb + 32 * i), kv = _mm512_loadu_si512(k + 32 * i);
+      acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(qv), reinterpret_cast<__m512bh>(kv));
+    }
+    return acc;
+  }
+#endif
+  (void)qb;
+  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf), load16(k));
+  for (int i = 1; i < D16; ++i) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + 16 * i), load16(k + 16 * i), acc);
+  return acc;
+}
+
+// One (sequence, kv head): scores, softmax, then the weighted sum of values, for its G query heads.
+template <int D16, typename T, typename K, bool kDp>
+static void item_avx512(const T* qrow, int64_t q_h, const CacheView<K>& kc, const CacheView<K>& vc,
+                        const int32_t* table, int64_t L, int64_t G, int64_t BS, float scale, float* scores,
+                        float* qbuf, float* inv_sum, T* op, int64_t o_h) {
+  constexpr int D = 16 * D16;
+  float* qf = qbuf;       // [G, D] float32 queries
+  float* qsum = qbuf + G * D;  // [G] sums of the queries (u8's zero point: sum_d q_d * z)
+  for (int64_t g = 0; g < G; ++g) {
+    float s = 0.f;
+    for (int d = 0; d < D; ++d) s += (qf[g * D + d] = static_cast<float>(qrow[g * q_h + d]));
+    qsum[g] = s;
+  }
+  const bf16* qb = reinterpret_cast<const bf16*>(qrow);  // kDp: T is bf16
+  for (int64_t t0 = 0, b = 0; t0 < L; t0 += BS, ++b) {
+    const int64_t n = std::min(BS, L - t0);
+    const K* base = kc.block(table[b]);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 acc[8];
+        for (int u = 0; u < 8; ++u) acc[u] = dot16<D16, K, kDp>(qf + g * D, qb + g * q_h, base + (j + u) * kc.row);
+        _mm256_storeu_ps(scores + g * L + t0 + j, reduce8(acc));
+      }
+    }
+    for (; j < n; ++j)
+      for (int64_t g = 0; g < G; ++g)
+        scores[g * L + t0 + j] = _mm512_reduce_add_ps(dot16<D16, K, kDp>(qf + g * D, qb + g * q_h, base + j * kc.row));
+    const float* params = kc.block_params(table[b]);
+    for (int64_t g = 0; g < G; ++g) {  // dot of the codes -> scaled score of the values they stand for
+      float* sg = scores + g * L + t0;
+      if (params == nullptr) {
+        for (int64_t i = 0; i < n; ++i) sg[i] *= scale;
+      } else if (kc.num_params == 1) {
+        for (int64_t i = 0; i < n; ++i) sg[i] *= scale * params[i * kc.prow];
+      } else {
+        for (int64_t i = 0; i < n; ++i)
+          sg[i] = scale * (sg[i] * params[i * kc.prow] + qsum[g] * params[i * kc.prow + 1]);
+      }
+    }
+  }
+  softmax_rows(scores, G, L, inv_sum);
+  constexpr int64_t kMaxTile = 24 / D16;  // accumulators kept in registers: tile * D16 of the 32 zmm
+  for (int64_t g0 = 0; g0 < G; g0 += kMaxTile) {
+    const int64_t gt = std::min<int64_t>(kMaxTile, G - g0);
+    __m512 acc[kMaxTile][D16];
+    float zsum[kMaxTile];
+    for (int64_t gi = 0; gi < kMaxTile; ++gi) {
+      zsum[gi] = 0.f;
+      for (int i = 0; i < D16; ++i) acc[gi][i] = _mm512_setzero_ps();
+    }
+    for (int64_t t0 = 0, b = 0; t0 < L; t0 += BS, ++b) {
+      const int64_t n = std::min(BS, L - t0);
+      const K* base = vc.block(table[b]);
+      const float* params = vc.block_params(table[b]);
+      for (int64_t j = 0; j < n; ++j) {
+        __m512 v[D16];
+        for (int i = 0; i < D16; ++i) v[i] = load16(base + j * vc.row + 16 * i);
+        const float vs = params ? params[j * vc.prow] : 1.f;
+        const float vz = (params && vc.num_params == 2) ? params[j * vc.prow + 1] : 0.f;
+        for (int64_t gi = 0; gi < gt; ++gi) {
+          const float p = scores[(g0 + gi) * L + t0 + j];
+          zsum[gi] += p * vz;
+          const __m512 w = _mm512_set1_ps(p * vs);
+          for (int i = 0; i < D16; ++i) acc[gi][i] = _mm512_fmadd_ps(w, v[i], acc[gi][i]);
+        }
+      }
+    }
+    for (int64_t gi = 0; gi < gt; ++gi) {
+      const float inv = inv_sum[g0 + gi];
+      const __m512 sc = _mm512_set1_ps(inv), z = _mm512_set1_ps(zsum[gi] * inv);
+      T* o = op + (g0 + gi) * o_h;
+      for (int i = 0; i < D16; ++i) store16(o + 16 * i, _mm512_fmadd_ps(acc[gi][i], sc, z));
+    }
+  }
+}
+#endif
+
+template <typename T, typename K>
+static void item_generic(const T* qrow, int64_t q_h, const CacheView<K>& kc, const CacheView<K>& vc,
+                         const int32_t* table, int64_t L, int64_t G, int64_t D, int64_t BS, float scale,
+                         float* scores, float* inv_sum, float* acc, T* op, int64_t o_h) {
   for (int64_t t = 0; t < L; ++t) {
-    const T* k = kp + table[t / BS] * block_stride + (t % BS) * row + hk_off;
+    const K* k = kc.block(table[t / BS]) + (t % BS) * kc.row;
+    const float* p = kc.block_params(table[t / BS]);
+    const float ks = p ? p[(t % BS) * kc.prow] : 1.f;
+    const float kz = (p && kc.num_params == 2) ? p[(t % BS) * kc.prow + 1] : 0.f;
     for (int64_t g = 0; g < G; ++g) {
       const T* qg = qrow + g * q_h;
-      float dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += static_cast<float>(qg[d]) * static_cast<float>(k[d]);
-      scores[g * L + t] = dot * scale;
+      float dot = 0.f, qsum = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        dot += static_cast<float>(qg[d]) * static_cast<float>(k[d]);
+        qsum += static_cast<float>(qg[d]);
+      }
+      scores[g * L + t] = (dot * ks + qsum * kz) * scale;
     }
   }
   softmax_rows(scores, G, L, inv_sum);
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < L; ++t) {
-    const T* v = vp + table[t / BS] * block_stride + (t % BS) * row + hk_off;
+    const K* v = vc.block(table[t / BS]) + (t % BS) * vc.row;
+    const float* p = vc.block_params(table[t / BS]);
+    const float vs = p ? p[(t % BS) * vc.prow] : 1.f;
+    const float vz = (p && vc.num_params == 2) ? p[(t % BS) * vc.prow + 1] : 0.f;
     for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * L + t];
+      const float w = scores[g * L + t];
       float* a = acc + g * D;
-      for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+      for (int64_t d = 0; d < D; ++d) a[d] += w * (static_cast<float>(v[d]) * vs + vz);
     }
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) op[g * o_h + d] = T(acc[g * D + d] * inv_sum[g]);
 }
 
-template <typename T>
+template <typename T, typename K>
 static void decode_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                        const torch::Tensor& v_cache, const c10::optional<torch::Tensor>& k_params,
+                        const c10::optional<torch::Tensor>& v_params, const torch::Tensor& block_tables,
                         const torch::Tensor& seq_lens, double scale) {
   const int64_t S = q.size(0), D = q.size(2);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = q.size(1) / Hkv, MB = block_tables.size(1);
+  const int64_t P = k_params.has_value() ? k_params->size(3) : 0;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const K* kp = k_cache.data_ptr<K>();
+  const K* vp = v_cache.data_ptr<K>();
+  const float* kpp = k_params.has_value() ? k_params->data_ptr<float>() : nullptr;
+  const float* vpp = v_params.has_value() ? v_params->data_ptr<float>() : nullptr;
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const int64_t q_s = q.stride(0), q_h = q.stride(1), o_s = out.stride(0), o_h = out.stride(1);
   const int64_t row = Hkv * D, block_stride = BS * Hkv * D;
   const float fscale = static_cast<float>(scale);
+  const int isa = g_isa.load(std::memory_order_relaxed);
   at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D), inv_sum(G);
+    std::vector<float> scores, acc(G * D), inv_sum(G), qbuf(G * D + G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / Hkv, hk = item % Hkv, L = lens[s];
       scores.resize(G * L);
       const T* qrow = qp + s * q_s + hk * G * q_h;
       T* orow = op + s * o_s + hk * G * o_h;
       const int32_t* table = bt + s * MB;
-#if defined(__AVX2__) && defined(__FMA__)
-      if (D == 64) {
-        item_avx2<8, T>(qrow, q_h, kp, vp, table, L, G, BS, row, block_stride, hk * D, fscale, scores.data(),
-                        inv_sum.data(), orow, o_h);
-        continue;
-      }
-      if (D == 128) {
-        item_avx2<16, T>(qrow, q_h, kp, vp, table, L, G, BS, row, block_stride, hk * D, fscale,
-                         scores.data(), inv_sum.data(), orow, o_h);
+      CacheView<K> kc{kp, row, block_stride, hk * D, kpp, P, Hkv * P, BS * Hkv * P, hk * P};
+      CacheView<K> vc{vp, row, block_stride, hk * D, vpp, P, Hkv * P, BS * Hkv * P, hk * P};
+#if defined(__AVX512F__)
+      if (isa >= kAvx512 && (D == 64 || D == 128)) {
+        constexpr bool dp = std::is_same_v<T, bf16> && std::is_same_v<K, bf16>;
+        auto run = [&](auto d16, auto use_dp) {
+          item_avx512<decltype(d16)::value, T, K, decltype(use_dp)::value>(
+              qrow, q_h, kc, vc, table, L, G, BS, fscale, scores.data(), qbuf.data(), inv_sum.data(), orow, o_h);
+        };
+        using D4 = std::integral_constant<int, 4>;
+        using D8 = std::integral_constant<int, 8>;
+        using Dp = std::integral_constant<bool, dp>;
+        using NoDp = std::false_type;
+        if (dp && isa >= kAvx512Bf16) {
+          if (D == 64) run(D4{}, Dp{}); else run(D8{}, Dp{});
+        } else {
+          if (D == 64) run(D4{}, NoDp{}); else run(D8{}, NoDp{});
+        }
         continue;
       }
 #endif
-      item_generic<T>(qrow, q_h, kp, vp, table, L, G, D, BS, row, block_stride, hk * D, fscale,
-                      scores.data(), inv_sum.data(), acc.data(), orow, o_h);
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, K>) {
+        if (isa >= kAvx2 && (D == 64 || D == 128)) {
+          if (D == 64)
+            item_avx2<8, T>(qrow, q_h, kp, vp, table, L, G, BS, row, block_stride, hk * D, fscale, scores.data(),
+                            inv_sum.data(), orow, o_h);
+          else
+            item_avx2<16, T>(qrow, q_h, kp, vp, table, L, G, BS, row, block_stride, hk * D, fscale,
+                             scores.data(), inv_sum.data(), orow, o_h);
+          continue;
+        }
+      }
+#endif
+      item_generic<T, K>(qrow, q_h, kc, vc, table, L, G, D, BS, fscale, scores.data(), inv_sum.data(),
+                         acc.data(), orow, o_h);
     }
   });
 }
 
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+static void check_common(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                         const torch::Tensor& seq_lens) {
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 tensors only");
-  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
-              "q, k_cache, v_cache and out must share one dtype");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 queries only");
+  TORCH_CHECK(out.scalar_type() == dtype, "q and out must share one dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k_cache and v_cache must share one dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous() &&
               seq_lens.is_contiguous(), "contiguous caches and tables");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out need a contiguous last dim");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head shapes disagree");
+}
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  check_common(out, q, k_cache, v_cache, block_tables, seq_lens);
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(k_cache.scalar_type() == dtype, "q, k_cache, v_cache and out must share one dtype");
+  const c10::optional<torch::Tensor> none;
   if (dtype == at::kFloat) {
-    decode_impl<float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+    decode_impl<float, float>(out, q, k_cache, v_cache, none, none, block_tables, seq_lens, scale);
   } else {
-    decode_impl<bf16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+    decode_impl<bf16, bf16>(out, q, k_cache, v_cache, none, none, block_tables, seq_lens, scale);
   }
 }
+
+void paged_decode_attention_quantized(torch::Tensor out, torch::Tensor q, torch::Tensor k_codes,
+                                      torch::Tensor v_codes, torch::Tensor k_params, torch::Tensor v_params,
+                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  check_common(out, q, k_codes, v_codes, block_tables, seq_lens);
+  const auto codes = k_codes.scalar_type();
+  TORCH_CHECK(codes == at::kChar || codes == at::kByte, "int8 or uint8 codes only");
+  TORCH_CHECK(k_params.scalar_type() == at::kFloat && v_params.scalar_type() == at::kFloat &&
+              k_params.is_contiguous() && v_params.is_contiguous(), "contiguous float32 params");
+  TORCH_CHECK(k_params.dim() == 4 && k_params.sizes() == v_params.sizes() &&
+              k_params.size(0) == k_codes.size(0) && k_params.size(1) == k_codes.size(1) &&
+              k_params.size(2) == k_codes.size(2) && (k_params.size(3) == 1 || k_params.size(3) == 2),
+              "params [NB, BS, Hkv, 1 or 2]");
+  const c10::optional<torch::Tensor> kp(k_params), vp(v_params);
+  if (q.scalar_type() == at::kFloat) {
+    if (codes == at::kChar)
+      decode_impl<float, int8_t>(out, q, k_codes, v_codes, kp, vp, block_tables, seq_lens, scale);
+    else
+      decode_impl<float, uint8_t>(out, q, k_codes, v_codes, kp, vp, block_tables, seq_lens, scale);
+  } else {
+    if (codes == at::kChar)
+      decode_impl<bf16, int8_t>(out, q, k_codes, v_codes, kp, vp, block_tables, seq_lens, scale);
+    else
+      decode_impl<bf16, uint8_t>(out, q, k_codes, v_codes, kp, vp, block_tables, seq_lens, scale);
+  }
+}
+
+std::string set_decode_attention_isa(const std::string& name) {
+  int want = kBest;
+  if (name != "auto" && name != "best") {
+    const auto* found = std::find(std::begin(kIsaNames), std::end(kIsaNames), name);
+    TORCH_CHECK(found != std::end(kIsaNames), "unknown path ", name, ": auto, generic, avx2, avx512, avx512_bf16");
+    want = std::min<int>(static_cast<int>(found - std::begin(kIsaNames)), kBest);
+  }
+  g_isa.store(want);
+  return kIsaNames[want];
+}
+
+std::string decode_attention_isa() { return kIsaNames[g_isa.load()]; }
