@@ -14,10 +14,10 @@ the body stored (a `dedup` hit) or computes it again.
 The key is the sha256 of: ENGINE_NUMERICS_VERSION, the served model name and the model's fingerprint
 (its weight files, tokenizer, chat template and config: every file of the model directory, hashed once
 and cached beside the model cache), the adapter's name and fingerprint, the resolved dtype, the
-quantization, the endpoint, the request's canonical form (messages or prompt and its options: chat
-template arguments, echo; with the fingerprint they determine the prompt token ids after the chat
-template; truncation is a sampling field), every sampling and output field (`SamplingParams.to_dict`) and
-the scope (the owner, unless `prefix_cache_scope = "global"`).
+quantization, the KV cache dtype (when not `auto`), the endpoint, the request's canonical form (messages
+or prompt and its options: chat template arguments, echo; with the fingerprint they determine the prompt
+token ids after the chat template; truncation is a sampling field), every sampling and output field
+(`SamplingParams.to_dict`) and the scope (the owner, unless `prefix_cache_scope = "global"`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import orjson
 from sqlalchemy.orm import Session, sessionmaker
@@ -39,8 +39,17 @@ from batchinfer import __version__
 from batchinfer.config import Settings
 from batchinfer.engine.numerics import ENGINE_NUMERICS_VERSION
 from batchinfer.store import result_cache as cache_store
-from batchinfer.store.result_cache import BodyRef, ResultSource
 from batchinfer.store.shards import PendingRequest, ShardLease
+from batchinfer.wire.result_row import (
+    ROW_OWN_FIELDS,
+    AdapterInfo,
+    BodyRef,
+    Provenance,
+    ResultRow,
+    ResultSource,
+    RowBody,
+    SuccessRow,
+)
 
 if TYPE_CHECKING:
     from batchinfer.engine.config import EngineConfig
@@ -52,9 +61,6 @@ ENGINE_NAME = "batchinfer"
 # The LRU bound is enforced (a SUM over the bodies) after this many seconds or 1/100 of the bound written.
 EVICT_INTERVAL_S = 10.0
 FINGERPRINT_CHUNK = 1 << 20
-# Fields of a result row that belong to one request, not to its body.
-ROW_OWN_FIELDS = ("request_id", "provenance", "result_body")
-ResultRow = dict[str, Any]  # a worker's result row (workers/result_rows.py), as store/results.py reads it
 
 
 def fingerprint_dir(path: Path, *, cache_dir: Path | None = None) -> str:
@@ -101,18 +107,22 @@ class ModelIdentity:
     quantization: str | None
     adapter: str | None = None
     adapter_fingerprint: str | None = None
+    kv_cache_dtype: str = "auto"  # a quantized KV cache changes outputs as the weights' dtype does
 
     def key_fields(self) -> dict[str, object]:
         """Everything of the identity the cache key covers (with the engine's numerics version)."""
-        return {"numerics": ENGINE_NUMERICS_VERSION, "model": self.model,
-                "fingerprint": self.model_fingerprint, "adapter": self.adapter,
-                "adapter_fingerprint": self.adapter_fingerprint, "dtype": self.dtype,
-                "quantization": self.quantization}
+        fields: dict[str, object] = {
+            "numerics": ENGINE_NUMERICS_VERSION, "model": self.model, "fingerprint": self.model_fingerprint,
+            "adapter": self.adapter, "adapter_fingerprint": self.adapter_fingerprint, "dtype": self.dtype,
+            "quantization": self.quantization}
+        if self.kv_cache_dtype != "auto":  # only then: the keys of results computed before stay the same
+            fields["kv_cache_dtype"] = self.kv_cache_dtype
+        return fields
 
-    def provenance(self, *, seed: int | None, source: str, computed_in: int) -> dict[str, object]:
+    def provenance(self, *, seed: int | None, source: ResultSource, computed_in: int) -> Provenance:
         """An output line's `provenance` object."""
         adapter = (None if self.adapter is None
-                   else {"name": self.adapter, "fingerprint": self.adapter_fingerprint})
+                   else AdapterInfo(name=self.adapter, fingerprint=self.adapter_fingerprint))
         return {"engine": {"name": ENGINE_NAME, "version": __version__}, "model": self.model,
                 "model_fingerprint": self.model_fingerprint, "adapter": adapter, "dtype": self.dtype,
                 "quantization": self.quantization, "seed": seed, "result_cache": source,
@@ -137,7 +147,8 @@ def model_identity(config: EngineConfig, *, served_model: str, adapter: tuple[st
     name, adapter_fp = None, None
     if adapter is not None:
         name, adapter_fp = adapter[0], fingerprint_dir(Path(adapter[1]), cache_dir=cache)
-    return ModelIdentity(served_model, fingerprint, dtype, config.quantization, name, adapter_fp)
+    return ModelIdentity(served_model, fingerprint, dtype, config.quantization, name, adapter_fp,
+                         config.kv_cache_dtype)
 
 
 def runner_identity(config: EngineConfig, served: str, *, model: str,
@@ -188,7 +199,7 @@ class _Primary:
 class _Body:
     """A body this worker can serve for a key: the result row (parsed) and its stored form."""
 
-    row: ResultRow
+    row: RowBody
     ref: BodyRef
 
 
@@ -196,7 +207,7 @@ class _Body:
 class Plan:
     """What to do with a claimed shard's pending requests: rows already known, requests to run."""
 
-    served: list[ResultRow]
+    served: list[SuccessRow]
     run: list[PendingRequest]
     waiting: list[PendingRequest]  # their ids stay outstanding until their primary's row is copied
 
@@ -275,8 +286,8 @@ class ResultCache:
             plan.run.append(request)
         return plan
 
-    def finished(self, lease: ShardLease, request: PendingRequest, row: ResultRow
-                 ) -> list[tuple[int, ResultRow]]:
+    def finished(self, lease: ShardLease, request: PendingRequest, row: SuccessRow
+                 ) -> list[tuple[int, SuccessRow]]:
         """The computed row of `request`, with provenance, and copies for its waiters: (shard id, row)."""
         engine_id = str(request.request_id)
         key = self._keys.pop(engine_id, None)
@@ -295,8 +306,11 @@ class ResultCache:
         return out
 
     def fresh_row(self, lease: ShardLease, row: ResultRow) -> ResultRow:
-        """A row computed outside the cache (an embeddings line), with its provenance."""
+        """A row computed outside the cache (an embeddings line), with its provenance (an error row has none:
+        the store records only its code and message)."""
         self._keys.pop(str(row["request_id"]), None)
+        if "error" in row:
+            return row
         return {**row, "provenance": self.identity(lease).provenance(seed=None, source="miss",
                                                                      computed_in=lease.job_id)}
 
@@ -351,7 +365,7 @@ class ResultCache:
         return None if job_key is None else self._primaries.pop(job_key, None)
 
     def _row(self, body: _Body, request: PendingRequest, identity: ModelIdentity,
-             source: ResultSource) -> ResultRow:
+             source: ResultSource) -> SuccessRow:
         """`request`'s row of a cacheable body; it carries the body to store by reference unless the body
         could never be kept (larger than the whole cache, or the cache is off: 0 bytes)."""
         if source == "hit":
@@ -364,14 +378,16 @@ class ResultCache:
                 "provenance": identity.provenance(seed=request.params.seed, source=source,
                                                   computed_in=body.ref.computed_in)}
 
-    def _uncached(self, row: ResultRow, request: PendingRequest, identity: ModelIdentity,
-                  job_id: int) -> ResultRow:
+    def _uncached(self, row: SuccessRow, request: PendingRequest, identity: ModelIdentity,
+                  job_id: int) -> SuccessRow:
         """A computed row no other request may share (not deterministic, or the job's cache is off)."""
         self._on_served("miss")
         return {**row, "provenance": identity.provenance(seed=request.params.seed, source="miss",
                                                          computed_in=job_id)}
 
 
-def body_of(row: ResultRow) -> ResultRow:
+def body_of(row: SuccessRow) -> RowBody:
     """A result row less what belongs to one request: what the cache stores and copies."""
-    return {name: value for name, value in row.items() if name not in ROW_OWN_FIELDS}
+    # cast: the checker cannot follow a comprehension over a TypedDict's keys; RowBody is SuccessRow less
+    # exactly ROW_OWN_FIELDS (wire/result_row.py)
+    return cast(RowBody, {name: value for name, value in row.items() if name not in ROW_OWN_FIELDS})

@@ -35,11 +35,12 @@ from batchinfer.store.errors import LeaseLost
 from batchinfer.store.models import JOB_TERMINAL_STATUSES, ShardStatus
 from batchinfer.store.result_files import record_result_sizes_in_background
 from batchinfer.store.shards import PendingRequest, ShardLease
+from batchinfer.wire.result_row import ResultRow, SuccessRow
 from workers.embedding_queue import EmbeddingQueue
 from workers.engine_prompts import engine_prompt, prompt_text
 from workers.lease_keeper import LeaseKeeper
 from workers.metrics import WorkerMetrics, inflight_report
-from workers.result_cache import ResultCache, ResultRow, prefix_cache_salt, runner_identity
+from workers.result_cache import ResultCache, prefix_cache_salt, runner_identity
 from workers.result_rows import error_row, result_row
 
 if TYPE_CHECKING:
@@ -282,7 +283,7 @@ class ShardRunner:
         echo_text = prompt_text(self.engine, submitted.prompt) if echo else ""
         result = result_row(submitted.request, output, echo_text)
         model = flight.lease.model if flight.lease.model in self.adapters else self.model
-        row = {**result, "model": model}  # a line's body.model may route it here
+        row: SuccessRow = {**result, "model": model}  # a line's body.model may route it here
         self._deliver(self._cache.finished(flight.lease, submitted.request, row))  # + its twins' copies
         stats.requests_finished += 1
         return tokens

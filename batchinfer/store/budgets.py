@@ -17,7 +17,6 @@ more is accepted, since most requests stop well before their cap (`batchinfer es
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import String, cast, literal, select, update
 from sqlalchemy.orm import Session
@@ -25,6 +24,7 @@ from sqlalchemy.orm import Session
 from batchinfer.store.db import rowcount
 from batchinfer.store.errors import JobError
 from batchinfer.store.models import LINE_BITS, Job, Request, RequestStatus, Shard, ShardStatus, request_id_for
+from batchinfer.wire.result_row import ErrorRow, ResultRow
 
 BUDGET_EXCEEDED = "budget_exceeded"
 MAX_BUDGET = 2**62  # fits a BIGINT with room to add
@@ -46,29 +46,30 @@ def _message(job: Job) -> str:
             "kept; submit the remaining lines again, or with a larger --max-total-tokens")
 
 
-def within_budget(session: Session, *, job: Job, results: list[dict[str, Any]]) -> tuple[list[dict], bool]:
+def within_budget(session: Session, *, job: Job, results: list[ResultRow]) -> tuple[list[ResultRow], bool]:
     """The results to record, those past the budget turned into `budget_exceeded` errors, and whether the
     budget is spent. The job row is locked by the caller; its token counters are read afresh."""
     if job.max_total_tokens is None:
         return results, False
     used = session.execute(select(Job.prompt_tokens + Job.completion_tokens).where(Job.id == job.id)).scalar()
     left = job.max_total_tokens - int(used or 0)
-    kept: list[dict] = []
+    kept: list[ResultRow] = []
     spent = left <= 0
     for result in results:
-        if "error" not in result and not spent:
+        if "error" in result:
+            kept.append(result)
+            continue
+        if not spent:
+            # .get: apply_results checks the rows after this (a malformed one raises there, not here)
             tokens = int(result.get("prompt_tokens") or 0) + int(result.get("completion_tokens") or 0)
             if tokens <= left:
                 left -= tokens
                 kept.append(result)
                 continue
             spent = True
-        if "error" in result:
-            kept.append(result)
-            continue
         line = result["request_id"] & ((1 << LINE_BITS) - 1)
-        kept.append({"request_id": result["request_id"],
-                     "error": {"code": BUDGET_EXCEEDED, "message": f"line {line}: {_message(job)}"}})
+        kept.append(ErrorRow(request_id=result["request_id"],
+                             error={"code": BUDGET_EXCEEDED, "message": f"line {line}: {_message(job)}"}))
     return kept, spent or left <= 0
 
 

@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from batchinfer.store.db import is_sqlite, rowcount
 from batchinfer.store.models import ApiKey, Job, OwnerServed, Shard, ShardStatus
+from batchinfer.wire.result_row import ResultRow
 
 FAIR_SHARE_WINDOW_S = 600.0  # how far back tokens served count: long enough to smooth, short enough to forget
 MINUTE_S = 60
@@ -46,10 +47,11 @@ def record_served(session: Session, *, owner: str, tokens: int, now: datetime) -
         set_={"tokens": OwnerServed.tokens + statement.excluded.tokens}))
 
 
-def served_tokens(results: list[dict]) -> int:
-    """Tokens a batch of results served: prompt tokens not read from the cache, plus generated tokens."""
-    return sum(max(int(result.get("prompt_tokens") or 0) - int(result.get("cached_tokens") or 0), 0)
-               + int(result.get("completion_tokens") or 0) for result in results if "error" not in result)
+def served_tokens(results: list[ResultRow]) -> int:
+    """Tokens a batch of results served: prompt tokens not read from the cache, plus generated tokens
+    (after apply_results, which has checked every row's counts)."""
+    return sum(max(result["prompt_tokens"] - result["cached_tokens"], 0) + result["completion_tokens"]
+               for result in results if "error" not in result)
 
 
 def prune_served(session: Session, *, now: datetime, window_seconds: float = FAIR_SHARE_WINDOW_S) -> int:

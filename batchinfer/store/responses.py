@@ -9,17 +9,16 @@ CLI's `results`, the REST output file, the dashboard and result-file sizes) read
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import datetime
-from typing import Any
 
 import orjson
 
 from batchinfer.wire.output_line import response_body
+from batchinfer.wire.result_row import RowBody
 
 
 def render_response(*, endpoint: str | None, default_model: str, request_id: int, created: int,
-                    result: Mapping[str, Any]) -> dict[str, Any]:
+                    result: RowBody) -> dict[str, object]:
     """The response body of a worker's result row (choices, token counts, model: workers/result_rows.py)
     for request `request_id`, answered at `created` (unix seconds)."""
     return response_body(endpoint=endpoint or "", model=result.get("model") or default_model,

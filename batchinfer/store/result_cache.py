@@ -21,7 +21,7 @@ import hashlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 import orjson
 from sqlalchemy import ColumnElement, delete, exists, func, select, update
@@ -32,11 +32,10 @@ from sqlalchemy.orm import Session
 from batchinfer.store.db import end_transaction, is_sqlite, rowcount, write_transaction
 from batchinfer.store.errors import JobError
 from batchinfer.store.models import Job, Request, ResultBody, utcnow
+from batchinfer.wire.result_row import BodyRef, RowBody
 
 ResultCacheMode = Literal["use", "refresh", "off"]
 RESULT_CACHE_MODES: tuple[str, ...] = get_args(ResultCacheMode)
-# Where an output line's body came from (its provenance.result_cache).
-ResultSource = Literal["miss", "hit", "dedup"]
 LOOKUP_BATCH = 500  # keys per IN (...) (SQLite caps bound parameters per statement)
 
 
@@ -45,19 +44,9 @@ class CachedBody:
     """A body found in the cache: the result row it stores (parsed, and as stored), its computing job."""
 
     key: str
-    row: dict[str, Any]  # a worker's result row as JSON: choices, token counts, model (result_rows.py)
+    row: RowBody  # as the worker stored it (wire/result_row.py), parsed
     computed_in: int
     body: bytes = b""
-
-
-@dataclass(frozen=True)
-class BodyRef:
-    """A cacheable success's body as a worker offers it with its row: the key, the serialized body (a
-    worker's result row less the request's own fields) and the job that computed it."""
-
-    key: str
-    body: bytes
-    computed_in: int
 
 
 def is_referenced() -> ColumnElement[bool]:

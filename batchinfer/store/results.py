@@ -2,7 +2,7 @@
 
 shards.write_results calls apply_results inside its lease-fenced transaction; the job's counters move
 in the same transaction as the request rows they count (see models.py). A cacheable success (a result
-carrying its `result_body`, a result_cache.BodyRef) is stored by reference: its body goes to
+carrying its `result_body`, a wire/result_row.BodyRef) is stored by reference: its body goes to
 `result_bodies` once per key in this transaction and the row keeps only the key (store/responses.py
 renders it); any other success keeps its own rendered response.
 """
@@ -10,7 +10,7 @@ renders it); any other success keeps its own rendered response.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, cast
+from typing import TypedDict, cast
 
 import orjson
 from sqlalchemy import Table, bindparam, select, update
@@ -19,22 +19,44 @@ from sqlalchemy.orm import Session
 from batchinfer.store.db import is_sqlite
 from batchinfer.store.models import Job, Request, RequestStatus, Shard, utcnow
 from batchinfer.store.responses import render_response
-from batchinfer.store.result_cache import BodyRef, attach_bodies
+from batchinfer.store.result_cache import attach_bodies
+from batchinfer.wire.result_row import BodyRef, ResultRow
 
 
-def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], shard: Shard | None = None,
+class _Succeeded(TypedDict):
+    """The bound parameters of one succeeded row's UPDATE."""
+
+    rid: int
+    response: str | None
+    p: int
+    c: int
+    k: int
+    key: str | None
+    prov: str | None
+    src: str | None
+
+
+class _Errored(TypedDict):
+    """The bound parameters of one errored row's UPDATE."""
+
+    rid: int
+    code: str
+    message: str
+
+
+def apply_results(session: Session, *, job: Job, results: list[ResultRow], shard: Shard | None = None,
                   now: datetime | None = None) -> int:
     """In the caller's transaction: record results of still-pending requests and bump the job's counters.
 
     With `shard`, only that shard's requests are accepted.
 
-    A result is {"request_id", "choices": [{"text", "finish_reason", "logprobs"?}], "prompt_tokens",
-    "completion_tokens", "cached_tokens", "model"?, "provenance"?, "result_body"?} or {"request_id",
-    "error": {"code", "message"}}. Results for requests that are no longer pending (already written,
-    canceled) are ignored. Returns how many counted.
+    A result is a wire/result_row.py ResultRow: a SuccessRow ({"request_id", "choices" or "embeddings",
+    "prompt_tokens", "completion_tokens", "cached_tokens", "model"?, "provenance"?, "result_body"?}) or an
+    ErrorRow ({"request_id", "error": {"code", "message"}}); each is checked at run time too. Results for
+    requests that are no longer pending (already written, canceled) are ignored. Returns how many counted.
     """
     now = now or utcnow()
-    by_id: dict[int, dict[str, Any]] = {}
+    by_id: dict[int, ResultRow] = {}
     for result in results:
         _check_result(result)
         by_id.setdefault(result["request_id"], result)
@@ -54,8 +76,8 @@ def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], 
     refs = [ref for ref in offered if isinstance(ref, BodyRef)]
     held = attach_bodies(session, refs=refs, job_id=job.id, refresh=job.result_cache == "refresh",
                          now=now) if refs else {}
-    succeeded: list[dict[str, Any]] = []
-    errored: list[dict[str, Any]] = []
+    succeeded: list[_Succeeded] = []
+    errored: list[_Errored] = []
     for request_id, endpoint in pending:
         result = by_id[request_id]
         if "error" in result:
@@ -96,7 +118,7 @@ def apply_results(session: Session, *, job: Job, results: list[dict[str, Any]], 
     return len(succeeded) + len(errored)
 
 
-def _check_result(result: dict[str, Any]) -> None:
+def _check_result(result: ResultRow) -> None:
     rid = result.get("request_id")
     if not isinstance(rid, int):
         raise ValueError(f"result needs an integer request_id, got {rid!r}")

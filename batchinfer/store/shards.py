@@ -16,9 +16,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
 
-from sqlalchemy import String, cast, func, literal, select, update
+from sqlalchemy import Row, String, cast, func, literal, select, update
 from sqlalchemy.orm import Session
 
 from batchinfer.engine.sampling_params import SamplingParams
@@ -31,6 +30,7 @@ from batchinfer.store.progress import InflightReport
 from batchinfer.store.results import apply_results
 from batchinfer.store.transitions import finalize_if_done, lock_job, lock_shard
 from batchinfer.wire.request import ChatMessage, RequestOptions, StoredRequest, decode_stored
+from batchinfer.wire.result_row import ResultRow
 
 RESCUE_LOCK_KEY = 0x6261746368  # pg advisory lock id: "batch"
 
@@ -149,7 +149,7 @@ def pending_requests(session: Session, *, shard_id: int) -> list[PendingRequest]
     if shard is None:
         raise LookupError(f"shard {shard_id} not found")
     order = {request_id: position for position, request_id in enumerate(shard.request_ids)}
-    rows: list[Any] = []  # Rows of the select below: a pending request's columns are all set
+    rows: list[Row[int, str | None, int, str | None, str | None]] = []
     for ids in _batches(list(order)):
         rows += session.execute(
             select(Request.id, Request.custom_id, Request.line_number, Request.endpoint, Request.payload)
@@ -158,6 +158,8 @@ def pending_requests(session: Session, *, shard_id: int) -> list[PendingRequest]
     rows.sort(key=lambda row: order[row.id])
     out = []
     for request_id, custom_id, line_number, endpoint, payload in rows:
+        # a pending request's columns are all set (ingest leaves them NULL only on lines it errors)
+        assert custom_id is not None and endpoint is not None and payload is not None
         out.append(PendingRequest.from_stored(request_id, custom_id, line_number, endpoint,
                                               decode_stored(payload)))
     return out
@@ -168,7 +170,7 @@ def _batches(ids: list[int], size: int = 5000) -> list[list[int]]:
     return [ids[start:start + size] for start in range(0, len(ids), size)]
 
 
-def write_results(session: Session, *, shard_id: int, lease_token: str, results: list[dict[str, Any]],
+def write_results(session: Session, *, shard_id: int, lease_token: str, results: list[ResultRow],
                   now: datetime | None = None) -> int:
     """Record finished requests of the shard (fenced by the lease; results.apply_results has the dicts).
 
@@ -189,7 +191,7 @@ def write_results(session: Session, *, shard_id: int, lease_token: str, results:
         return recorded
 
 
-def _move_out_of_flight(shard: Shard, results: list[dict[str, Any]]) -> None:
+def _move_out_of_flight(shard: Shard, results: list[ResultRow]) -> None:
     """Written generations leave the in-flight report (their tokens now count in the job's), until the
     worker's next heartbeat reports afresh: so no token is counted twice meanwhile."""
     written = [result for result in results if "choices" in result]

@@ -10,21 +10,23 @@ msgspec, not pydantic: chosen by measurement (bench/wire_models.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
 import orjson
 
 from batchinfer.wire.embeddings import embedding_list
-from batchinfer.wire.json_types import JSONObject, JSONValue
+from batchinfer.wire.json_types import JSONObject
 from batchinfer.wire.request import Endpoint
 from batchinfer.wire.responses import response_object
+from batchinfer.wire.result_row import Choice, PromptLogprobs
 
 
-def response_body(*, endpoint: str, model: str, request_key: int, created: int, choices: list[JSONObject],
+def response_body(*, endpoint: str, model: str, request_key: int, created: int, choices: Sequence[Choice],
                   prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                   embeddings: list[list[float] | str] | None = None,
-                  prompt_logprobs: list[JSONValue] | None = None) -> dict[str, object]:
+                  prompt_logprobs: PromptLogprobs | None = None) -> dict[str, object]:
     """A chat.completion / text_completion / response from a worker's choices, or an embedding list.
 
     prompt_logprobs (vLLM's field, when the line asked for it) goes where vLLM puts it: on the chat
@@ -51,13 +53,14 @@ def response_body(*, endpoint: str, model: str, request_key: int, created: int, 
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
         return body
-    out_choices = [{"index": c.get("index", i), "text": c["text"], "logprobs": c.get("logprobs"),
-                    "finish_reason": c["finish_reason"]} for i, c in enumerate(choices)]
+    text_choices: list[dict[str, object]] = [
+        {"index": c.get("index", i), "text": c["text"], "logprobs": c.get("logprobs"),
+         "finish_reason": c["finish_reason"]} for i, c in enumerate(choices)]
     if prompt_logprobs is not None:
-        for choice in out_choices:
+        for choice in text_choices:
             choice["prompt_logprobs"] = prompt_logprobs
     return {"id": f"cmpl-batch-{request_key}", "object": "text_completion", "created": created,
-            "model": model, "choices": out_choices, "usage": usage}
+            "model": model, "choices": text_choices, "usage": usage}
 
 
 class BatchResponse(msgspec.Struct):

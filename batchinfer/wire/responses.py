@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from batchinfer.wire.json_types import JSONObject, JSONValue
 from batchinfer.wire.prompt import Fail
+from batchinfer.wire.result_row import Choice
 
 # Responses fields that map onto chat ones as they are
 PASS_THROUGH_FIELDS = frozenset({"temperature", "top_p", "metadata", "user", "store", "service_tier", "model",
@@ -88,7 +89,7 @@ def _input_messages(value: JSONValue, fail: Fail) -> list[JSONValue]:
     return messages
 
 
-def response_object(*, request_key: int, created: int, model: str, choice: JSONObject,
+def response_object(*, request_key: int, created: int, model: str, choice: Choice,
                     prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, object]:
     """OpenAI's Response object for one completion ({text, finish_reason}), with its usage."""
     incomplete = choice["finish_reason"] == "length"

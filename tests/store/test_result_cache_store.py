@@ -14,8 +14,8 @@ from batchinfer.store import result_cache as cache_store
 from batchinfer.store.db import write_transaction
 from batchinfer.store.errors import JobError
 from batchinfer.store.models import utcnow
-from batchinfer.store.result_cache import BodyRef
 from batchinfer.store.retention import purge
+from batchinfer.wire.result_row import BodyRef
 
 MIB = 1 << 20
 

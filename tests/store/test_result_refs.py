@@ -19,9 +19,9 @@ from batchinfer.store import shards
 from batchinfer.store.db import session_factory, upgrade, write_transaction
 from batchinfer.store.export import export_results
 from batchinfer.store.models import Job, Request, ResultBody, utcnow
-from batchinfer.store.result_cache import BodyRef
 from batchinfer.store.result_files import record_result_sizes
 from batchinfer.store.retention import purge
+from batchinfer.wire.result_row import BodyRef
 from tests.store.helpers import chat_line, jsonl, submit_job
 
 

@@ -42,7 +42,7 @@ SAMPLING_CHANGES: dict[str, Any] = {
 }
 IDENTITY_CHANGES: dict[str, Any] = {
     "model": "other-name", "model_fingerprint": "e" * 64, "dtype": "bfloat16", "quantization": "int8",
-    "adapter": "sql-lora", "adapter_fingerprint": "d" * 64,
+    "adapter": "sql-lora", "adapter_fingerprint": "d" * 64, "kv_cache_dtype": "int8",
 }
 REQUEST_CHANGES: dict[str, dict[str, Any]] = {
     "endpoint": {"endpoint": "completions"},
@@ -77,6 +77,11 @@ def test_each_identity_field_changes_the_key(field: str) -> None:
 @pytest.mark.parametrize("field", sorted(REQUEST_CHANGES))
 def test_each_request_field_changes_the_key(field: str) -> None:
     assert _key(**REQUEST_CHANGES[field]) != _key()
+
+
+def test_an_auto_kv_cache_keeps_the_keys_computed_before_it_was_a_field() -> None:
+    assert "kv_cache_dtype" not in IDENTITY.key_fields()  # auto: the keys stored so far still hit
+    assert dataclasses.replace(IDENTITY, kv_cache_dtype="u8").key_fields()["kv_cache_dtype"] == "u8"
 
 
 def test_scope_and_numerics_version_change_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
