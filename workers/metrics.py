@@ -22,12 +22,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
 
 from batchinfer.engine.metrics import LABELS, PREFIX
 from batchinfer.store.progress import InflightReport
+from batchinfer.wire.heartbeat import HeartbeatInfo
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -158,13 +159,16 @@ class WorkerMetrics:
         (start, first), (end, last) = self._step_samples[0], self._step_samples[-1]
         return (last - first) / (end - start) if end > start else 0.0
 
-    def heartbeat_info(self, now: float | None = None) -> dict[str, Any]:
+    def heartbeat_info(self, now: float | None = None) -> HeartbeatInfo:
         """The worker table's `info`: labels, metrics port, the current tokens/s (an instantaneous figure,
         over RATE_WINDOW_S) and when it last generated (unix s; the dashboard shows 0 once that is old)."""
         rate = round(self.tokens_per_second(now), 1)
-        adapters = {"lora_adapters": self.lora_adapters} if self.lora_adapters else {}
-        return {**self.labels, "metrics_port": self.metrics_port, "tokens_per_second": rate,
-                "generated_at": self._generated_at, **adapters}
+        info = HeartbeatInfo(model_name=self.labels["model_name"], engine=self.labels["engine"],
+                             metrics_port=self.metrics_port, tokens_per_second=rate,
+                             generated_at=self._generated_at)
+        if self.lora_adapters:
+            info["lora_adapters"] = self.lora_adapters
+        return info
 
     def _sample(self, now: float | None = None) -> None:
         """Remember the token total now; keep one sample at or before the window's start, and none older

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -76,7 +76,7 @@ class JobProgress:
         self._progress.start()
         return self
 
-    def __exit__(self, *_exc: Any) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self._stop_following.set()
         if self._follower is not None:
             self._follower.join(timeout=5)

@@ -11,7 +11,10 @@ import itertools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchinfer.cli.backend import Backend
 
 
 def write_lines(lines: Iterator[bytes], path: Path | None) -> int:
@@ -56,7 +59,7 @@ def default_errors_path(output: Path) -> Path:
     return output.with_name(output.stem + ".errors" + (output.suffix or ".jsonl"))
 
 
-def export(backend: Any, batch_id: str, output: Path | None, errors: Path | None) -> tuple[int, int]:
+def export(backend: Backend, batch_id: str, output: Path | None, errors: Path | None) -> tuple[int, int]:
     """Write the output lines to `output` (stdout when None) and the error lines to `errors` (when given);
     returns (output lines, error lines)."""
     written = write_lines(backend.results(batch_id, "output"), output)

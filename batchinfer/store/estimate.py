@@ -248,7 +248,8 @@ def from_counts(session: Session, *, model: str, requests: int, invalid: int, ma
 def model_tokenizer(model: str) -> tuple[Tokenize, int | None]:
     """The worker's prompt of a request as token ids (its tokenizer and chat template, as workers/runner.py
     builds it) and the model's context length; loads no weights. ValueError/OSError for an unknown model."""
-    from batchinfer.engine.models.loader import load_hf_config, load_tokenizer, resolve_model_path
+    from batchinfer.engine.model_files import load_hf_config, resolve_model_path
+    from batchinfer.engine.models.loader import load_tokenizer
 
     path = resolve_model_path(model)
     tokenizer = load_tokenizer(path)

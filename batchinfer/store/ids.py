@@ -12,8 +12,6 @@ has a second bound: a request's key is job_id << LINE_BITS | line (models.reques
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import BigInteger, ColumnElement
 
 from batchinfer.store.models import LINE_BITS, File, Job
@@ -22,7 +20,7 @@ INT32_MAX = 2**31 - 1  # PostgreSQL INTEGER (SQLite's INTEGER PRIMARY KEY is 64-
 INT64_MAX = 2**63 - 1  # PostgreSQL BIGINT, SQLite INTEGER
 
 
-def column_max(column: ColumnElement[Any]) -> int:
+def column_max(column: ColumnElement[int]) -> int:
     """The largest value `column` holds on both databases (BIGINT: 64-bit, other integers: 32-bit)."""
     return INT64_MAX if isinstance(column.type, BigInteger) else INT32_MAX
 

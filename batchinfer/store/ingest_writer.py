@@ -9,13 +9,16 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
-from sqlalchemy import Connection, Engine, Insert, Table, select
+from sqlalchemy import Connection, Dialect, Engine, Insert, Table, select
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from batchinfer.store.models import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine.default import DefaultDialect
 
 _ROW_COLUMNS = ("id", "job_id", "line_number", "custom_id", "status", "endpoint", "payload", "error_code",
                 "error_message")
@@ -152,7 +155,7 @@ def _copy(connection: Connection, rows: list[tuple]) -> None:
             copy.write_row(row)
 
 
-def _insert_sql(dialect: Any) -> str:
+def _insert_sql(dialect: Dialect) -> str:
     """INSERT ... ON CONFLICT DO NOTHING of a request row, compiled once per dialect to driver SQL."""
     cached = _INSERT_SQL.get(dialect.name)
     if cached is None:
@@ -163,7 +166,9 @@ def _insert_sql(dialect: Any) -> str:
             statement: Insert = sqlite_insert(table).on_conflict_do_nothing()
         else:
             statement = postgresql_insert(table).on_conflict_do_nothing()
-        positional = type(dialect)(paramstyle="qmark" if dialect.name == "sqlite" else "format")
+        # every concrete dialect is a DefaultDialect, whose constructor takes the paramstyle
+        dialect_class = cast("type[DefaultDialect]", type(dialect))
+        positional = dialect_class(paramstyle="qmark" if dialect.name == "sqlite" else "format")
         compiled = statement.compile(dialect=positional, column_keys=list(_ROW_COLUMNS))
         assert tuple(compiled.positiontup or ()) == _ROW_COLUMNS, compiled
         cached = _INSERT_SQL[dialect.name] = str(compiled)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import sys
 from array import array
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -178,7 +177,7 @@ class Job(Base):
                 "failed": self.failed_requests}
 
     @property
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> dict[str, int | dict[str, int]]:
         """Token totals in the OpenAI usage shape."""
         return {
             "prompt_tokens": self.prompt_tokens,

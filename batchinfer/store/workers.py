@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import cast
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from batchinfer.store.db import end_transaction, rowcount, write_transaction
 from batchinfer.store.models import Shard, ShardStatus, Worker, utcnow
-from batchinfer.wire.json_types import JSONObject
+from batchinfer.wire.heartbeat import HeartbeatInfo
 
 WORKER_LIVE_S = 60.0  # a worker that heartbeated within this long (and did not stop) counts as live
 
@@ -32,12 +32,11 @@ class WorkerInfo:
     last_heartbeat_at: datetime
     live: bool
     shard_ids: list[int]
-    # what the worker reports (workers.metrics.heartbeat_info, still a dict[str, Any]: readers index it)
-    info: dict[str, Any] | None = None
+    info: HeartbeatInfo | None = None  # what the worker reports (workers.metrics.heartbeat_info)
 
 
 def register_worker(session: Session, *, worker_id: str, model: str, hostname: str = "",
-                    pid: int | None = None, info: JSONObject | None = None,
+                    pid: int | None = None, info: HeartbeatInfo | None = None,
                     now: datetime | None = None) -> None:
     """Record a worker starting (or restarting under the same id)."""
     now = now or utcnow()
@@ -47,12 +46,13 @@ def register_worker(session: Session, *, worker_id: str, model: str, hostname: s
             session.add(Worker(id=worker_id, model=model, hostname=hostname, pid=pid, info=info,
                                started_at=now, last_heartbeat_at=now))
         else:
-            worker.model, worker.hostname, worker.pid, worker.info = model, hostname, pid, info
+            worker.model, worker.hostname, worker.pid = model, hostname, pid
+            worker.info = dict(info) if info is not None else None
             worker.started_at, worker.last_heartbeat_at, worker.stopped_at = now, now, None
 
 
 def worker_heartbeat(session: Session, *, worker_id: str, now: datetime | None = None,
-                     info: JSONObject | None = None) -> bool:
+                     info: HeartbeatInfo | None = None) -> bool:
     """Mark the worker alive (and replace its `info` when given); False if it was never registered."""
     values: dict[str, object] = {"last_heartbeat_at": now or utcnow()}
     if info is not None:
@@ -96,6 +96,7 @@ def list_workers(session: Session, *, live_within_seconds: float = WORKER_LIVE_S
         live = worker.stopped_at is None and worker.last_heartbeat_at >= cutoff
         if live or include_dead:
             out.append(WorkerInfo(worker.id, worker.hostname, worker.model, worker.pid, worker.started_at,
-                                  worker.last_heartbeat_at, live, held.get(worker.id, []), worker.info))
+                                  worker.last_heartbeat_at, live, held.get(worker.id, []),
+                                  cast("HeartbeatInfo | None", worker.info)))  # as register_worker wrote it
     end_transaction(session)
     return out

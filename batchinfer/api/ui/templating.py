@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -21,9 +21,9 @@ templates = Jinja2Templates(directory=UI_DIR / "templates")
 templates.env.globals["version"] = __version__
 
 
-def render(request: Request, name: str, context: dict[str, Any], *, status_code: int = 200) -> Response:
+def render(request: Request, name: str, context: Mapping[str, object], *, status_code: int = 200) -> Response:
     """A template response with the dashboard's security headers."""
-    response = templates.TemplateResponse(request, name, context, status_code=status_code)
+    response = templates.TemplateResponse(request, name, dict(context), status_code=status_code)
     response.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
     response.headers["X-Content-Type-Options"] = "nosniff"
     response.headers["Cache-Control"] = "no-store"
