@@ -27,8 +27,10 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from batchinfer.engine.config import QUANTIZATIONS
+from batchinfer.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from batchinfer.engine.native.threads import CHOSEN_MARKER
+from batchinfer.engine_kwargs import EngineKwargs
+from batchinfer.wire.json_types import JSONObject
 
 DEFAULT_DATA_DIR = Path(platformdirs.user_data_dir("batchinfer", appauthor=False))
 
@@ -212,6 +214,9 @@ class Settings(BaseSettings):
     # Engine knobs (the worker's defaults; see batchinfer.engine.config.EngineConfig).
     device: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = Field(
+        "auto", description="KV cache element type: auto (the model's dtype), or on CPU bf16, fp8_e4m3, "
+                            "int8 or u8 (1 byte: about 1.9x the tokens in the same kv_cache_memory_bytes).")
     # Literal[QUANTIZATIONS]: the tuple's values, one definition; pydantic reads it, mypy cannot
     quantization: Literal[QUANTIZATIONS] | None = Field(  # type: ignore[valid-type]
         None, description="int8: per-channel int8 weights, dynamic int8 GEMMs (CPU); gguf: a .gguf model's "
@@ -229,7 +234,7 @@ class Settings(BaseSettings):
     pipeline_parallel_size: int = Field(1, ge=1, description="Stages of layers (one per node, with Ray).")
     distributed_executor_backend: Literal["mp", "ray"] = Field(
         "mp", description="How the ranks start: local processes, or Ray actors on a running Ray cluster.")
-    speculative_config: dict[str, Any] | None = Field(
+    speculative_config: JSONObject | None = Field(
         None, description='Speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4} or '
         '{"method": "draft_model", "model": "...", "num_speculative_tokens": 3}; unset: off.')
     lora_modules: dict[str, str] = Field(
@@ -259,7 +264,7 @@ class Settings(BaseSettings):
 
     @field_validator("speculative_config", mode="after")
     @classmethod
-    def _check_speculative_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _check_speculative_config(cls, value: JSONObject | None) -> JSONObject | None:
         from batchinfer.engine.speculative_config import parse_speculative_config  # pure Python
 
         parse_speculative_config(value)  # a ValueError naming speculative_config.<key>
@@ -267,7 +272,7 @@ class Settings(BaseSettings):
 
     @field_validator(*DISABLEABLE_LIMITS, mode="before")
     @classmethod
-    def _off_as_none(cls, value: Any) -> Any:
+    def _off_as_none(cls, value: object) -> object:
         """0, "0", "none", "off" or "" turn a limit off (None), from the environment or TOML alike."""
         if isinstance(value, str) and value.strip().lower() in OFF_WORDS:
             return None
@@ -281,6 +286,14 @@ class Settings(BaseSettings):
         from batchinfer.engine.config import canonical_dtype  # pure Python
 
         return canonical_dtype(value)  # read here, so `config show` refuses what `run` would
+
+    @field_validator("kv_cache_dtype", mode="after")
+    @classmethod
+    def _check_kv_cache_dtype(cls, value: str) -> str:
+        value = "u8" if value == "uint8" else value  # EngineConfig's alias
+        if value not in KV_CACHE_DTYPES:  # refused when read, as `run` and `worker` would refuse it
+            raise ValueError(f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        return value
 
     @field_validator("device", mode="after")
     @classmethod
@@ -329,11 +342,12 @@ class Settings(BaseSettings):
         at most that long for its rescue)."""
         return self.rescue_interval_seconds or self.lease_seconds / 4
 
-    def engine_kwargs(self) -> dict[str, Any]:
+    def engine_kwargs(self) -> EngineKwargs:
         """The EngineConfig keyword arguments these settings imply."""
         return {
             "device": self.device,
             "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "quantization": self.quantization,
             "adaptive_threads": self.adaptive_threads,
             "max_num_seqs": self.max_num_seqs,
@@ -385,7 +399,7 @@ def mask_url_password(url: str) -> str:
     return url
 
 
-def load_settings(**overrides: Any) -> Settings:
+def load_settings(**overrides: Any) -> Settings:  # Any: any setting's value, pydantic checks it
     """Settings from the environment and the config file; a mistake is one ConfigError line."""
     try:
         return Settings(**overrides)

@@ -11,11 +11,12 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Unpack, cast
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from batchinfer.config import Settings, get_settings
+from batchinfer.engine_kwargs import EngineKwargs
 from batchinfer.store import shards as shard_store
 from batchinfer.store import workers as worker_store
 from batchinfer.store.db import ping, session_factory
@@ -31,7 +32,7 @@ _lock = threading.Lock()
 _process_runner: ShardRunner | None = None
 # The model this process serves; `batchinfer worker --model` sets it before the Celery worker starts.
 process_model: str | None = None
-process_engine_overrides: dict[str, Any] = {}
+process_engine_overrides: EngineKwargs = {}
 process_settings: Settings | None = None  # `batchinfer worker`'s settings (LoRA flags); None: get_settings()
 # The port this process serves its metrics on (`batchinfer worker --metrics-port`); None: off.
 process_metrics_port: int | None = None
@@ -44,17 +45,18 @@ def worker_id_for(model: str) -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{model}"
 
 
-def build_engine(model: str, settings: Settings, **overrides: Any) -> Engine:
+def build_engine(model: str, settings: Settings, **overrides: Unpack[EngineKwargs]) -> Engine:
     """Load the engine for `model` with the settings' engine knobs (overrides win)."""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.llm_engine import Engine
 
-    kwargs = {**settings.engine_kwargs(), **overrides}
+    kwargs: EngineKwargs = {**settings.engine_kwargs(), **overrides}
     return Engine(EngineConfig(model=model, **kwargs))
 
 
 def make_runner(*, model: str, settings: Settings | None = None, engine: Engine | None = None,
-                metrics_port: int | None = None, lazy: bool = False, **engine_overrides: Any) -> ShardRunner:
+                metrics_port: int | None = None, lazy: bool = False,
+                **engine_overrides: Unpack[EngineKwargs]) -> ShardRunner:
     """A ShardRunner over a new (or the given) engine, registered in the worker table.
 
     `lazy`: the engine is built on the first request the result cache cannot serve (workers.lazy_engine;
@@ -68,7 +70,8 @@ def make_runner(*, model: str, settings: Settings | None = None, engine: Engine 
         from batchinfer.engine.config import EngineConfig
         from workers.lazy_engine import LazyEngine
 
-        config = EngineConfig(model=model, **{**settings.engine_kwargs(), **engine_overrides})
+        kwargs: EngineKwargs = {**settings.engine_kwargs(), **engine_overrides}
+        config = EngineConfig(model=model, **kwargs)
         lazy_engine = LazyEngine(lambda: build_engine(model, settings, **engine_overrides), config)
         metrics = lazy_engine.worker_metrics()
         engine = cast("Engine", lazy_engine)  # stands in for the Engine it builds on first use
@@ -155,16 +158,19 @@ def wait_and_hand_back(runner: ShardRunner, exc: BaseException, *, stop: threadi
         return
 
 
-def work_through_outages(runner: ShardRunner, **work_args: Any) -> RunStats:
-    """runner.work(**work_args), resumed after a database outage (restart, failover) instead of failing."""
+def work_through_outages(runner: ShardRunner, *, first_shard_id: int | None = None, job_id: int | None = None,
+                         stop: threading.Event | None = None,
+                         on_progress: ProgressCallback | None = None) -> RunStats:
+    """runner.work(...), resumed after a database outage (restart, failover) instead of failing."""
     while True:
         try:
-            return runner.work(**work_args)
+            return runner.work(first_shard_id=first_shard_id, job_id=job_id, stop=stop,
+                               on_progress=on_progress)
         except DBAPIError as exc:
             if not is_database_outage(exc):
                 raise
-            wait_and_hand_back(runner, exc, stop=work_args.get("stop"))
-            work_args["first_shard_id"] = None  # claimed again (or by others) from the database
+            wait_and_hand_back(runner, exc, stop=stop)
+            first_shard_id = None  # claimed again (or by others) from the database
 
 
 def rescue_once(settings: Settings | None = None) -> shard_store.RescueReport:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import click
 
 from batchinfer.config import Settings
+from batchinfer.engine_kwargs import EngineKwargs
 
 _Command = TypeVar("_Command", bound=Callable[..., object])
 
@@ -72,7 +73,7 @@ def with_lora_settings(settings: Settings, *, lora_modules: tuple[str, ...], max
     return settings.model_copy(update=update)
 
 
-def check_adapters(settings: Settings, model: str, engine_kwargs: dict[str, Any],
+def check_adapters(settings: Settings, model: str, engine_kwargs: EngineKwargs,
                    aliases: tuple[str, ...] = ()) -> None:
     """Exit 1 with one line unless every served adapter loads on `model` (files, options, rank, shapes) and
     is named apart from the model (`aliases`: its other names): checked before any job exists, as the model

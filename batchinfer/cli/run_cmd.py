@@ -3,9 +3,10 @@
 It takes the file as an argument or the way `vllm run-batch` users type it
 (`batchinfer run -i in.jsonl -o out.jsonl --model M`), and `--errors-in-output` writes the error lines
 into the results file, in input order, as vLLM does (by default they go to a file of their own).
-vLLM's engine flags (`--dtype`, `--max-model-len`, `--tensor-parallel-size`, `--pipeline-parallel-size`,
-`--quantization`) set the engine's knobs, and `--served-model-name NAME` lets lines whose body.model is
-NAME run on the model; a line naming any other model errors alone (`model_not_found`), as vLLM answers it.
+vLLM's engine flags (`--dtype`, `--kv-cache-dtype`, `--max-model-len`, `--tensor-parallel-size`,
+`--pipeline-parallel-size`, `--quantization`) set the engine's knobs, and `--served-model-name NAME` lets
+lines whose body.model is NAME run on the model; a line naming any other model errors alone
+(`model_not_found`), as vLLM answers it.
 `--lora-modules NAME=PATH` serves PEFT LoRA adapters beside the model (cli/lora_options.py): a line whose
 body.model is NAME runs under that adapter, in shards of its own.
 
@@ -18,17 +19,21 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 import orjson
 
+from batchinfer.cli.engine_flags import engine_overrides, kv_cache_dtype_option
 from batchinfer.cli.jobs import _metadata, _print_batch, _with_submit_options, exit_code_for
 from batchinfer.cli.lora_options import check_adapters, lora_options, with_lora_settings
 from batchinfer.cli.output import EXIT_FAILED, dumps, fail, input_file, json_option
 from batchinfer.cli.progress import JobProgress
 from batchinfer.cli.result_files import default_errors_path, write_error_lines, write_lines
 from batchinfer.engine.layers.quantization import QUANTIZATIONS
+
+if TYPE_CHECKING:
+    from batchinfer.engine_kwargs import EngineKwargs
 
 logger = logging.getLogger("batchinfer.cli")
 
@@ -47,6 +52,7 @@ logger = logging.getLogger("batchinfer.cli")
 @click.option("--device", default=None, help="cpu, cuda, cuda:N (default: settings.device).")
 @click.option("--dtype", default=None, help="auto, float32, bfloat16, float16 (vLLM's half, float too; "
               "default: settings.dtype).")
+@kv_cache_dtype_option
 @click.option("--max-model-len", type=click.IntRange(min=1), default=None,
               help="Context length (default: the model's).")
 @click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=None,
@@ -64,8 +70,9 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
         model: str | None, shard_size: int | None, priority: int, metadata: tuple[str, ...],
         idempotency_key: str | None, on_invalid: str, completion_window: str | None,
         max_total_tokens: int | None, result_cache: str | None, device: str | None,
-        dtype: str | None, max_model_len: int | None, tensor_parallel_size: int | None,
-        pipeline_parallel_size: int | None, quantization: str | None, served_model_name: tuple[str, ...],
+        dtype: str | None, kv_cache_dtype: str | None, max_model_len: int | None,
+        tensor_parallel_size: int | None, pipeline_parallel_size: int | None, quantization: str | None,
+        served_model_name: tuple[str, ...],
         lora_modules: tuple[str, ...], max_loras: int | None, max_lora_rank: int | None,
         max_cpu_loras: int | None,
         show: int, as_json: bool) -> None:
@@ -86,10 +93,9 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
     settings = with_lora_settings(cli_settings(), lora_modules=lora_modules, max_loras=max_loras,
                                   max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
     model = model or settings.default_model
-    overrides: dict[str, Any] = {name: value for name, value in (
-        ("device", device), ("dtype", dtype), ("max_model_len", max_model_len),
-        ("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size),
-        ("quantization", quantization)) if value is not None}
+    overrides = engine_overrides(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                 max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                                 pipeline_parallel_size=pipeline_parallel_size, quantization=quantization)
     if not as_json:
         click.echo(f"loading {model} ...", err=True)
     _check_engine(model, settings.engine_kwargs() | overrides)
@@ -148,7 +154,7 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
     sys.exit(exit_code_for(batch))
 
 
-def _check_engine(model: str, engine_kwargs: dict) -> None:
+def _check_engine(model: str, engine_kwargs: EngineKwargs) -> None:
     """Exit 1 with one line unless `model` resolves here and the engine knobs are valid for it (cheap:
     the model's config is read, no weight is loaded)."""
     from batchinfer.engine.config import EngineConfig

@@ -10,11 +10,12 @@ import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 import orjson
 
+from batchinfer.cli.engine_flags import engine_overrides, kv_cache_dtype_option
 from batchinfer.cli.lora_options import check_adapters, lora_options, with_lora_settings
 from batchinfer.cli.output import emit, fail, json_option, stdout_to_stderr
 from batchinfer.config import get_settings
@@ -37,6 +38,7 @@ def _setup_logging(level: str) -> None:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "half", "float"]),
               default=None,
               help="Weights and activations (default: settings.dtype; auto: bf16 where the CPU has it).")
+@kv_cache_dtype_option
 @click.option("--quantization", type=click.Choice(list(QUANTIZATIONS)), default=None,
               help="int8: int8 weights and dynamic int8 GEMMs on CPU; gguf: a .gguf model's own "
                    "Q4_0 / Q4_1 / Q8_0 blocks on CPU (default: settings.quantization).")
@@ -50,7 +52,7 @@ def _setup_logging(level: str) -> None:
 @click.option("--log-level", default="info", show_default=True)
 @json_option("Print the start line as one JSON object on stdout (model, mode, queue, pid).")
 def worker(model: str | None, device: str | None, tensor_parallel_size: int | None, dtype: str | None,
-           quantization: str | None,
+           kv_cache_dtype: str | None, quantization: str | None,
            pipeline_parallel_size: int | None, distributed_executor_backend: str | None,
            metrics_port: int | None, lora_modules: tuple[str, ...], max_loras: int | None,
            max_lora_rank: int | None, max_cpu_loras: int | None, log_level: str, as_json: bool) -> None:
@@ -63,11 +65,10 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
                                   max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
     model = model or settings.default_model
     LocalBackend(settings)  # migrates an embedded SQLite database on first use
-    options = {"device": device, "tensor_parallel_size": tensor_parallel_size, "dtype": dtype,
-               "quantization": quantization, "pipeline_parallel_size": pipeline_parallel_size,
-               "distributed_executor_backend": distributed_executor_backend}
-    # options given on the command line
-    overrides: dict[str, Any] = {name: value for name, value in options.items() if value}
+    overrides = engine_overrides(device=device, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                                 kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                                 pipeline_parallel_size=pipeline_parallel_size,
+                                 distributed_executor_backend=distributed_executor_backend)
     check_adapters(settings, model, {**settings.engine_kwargs(), **overrides})
     process.process_model = model
     process.process_settings = settings  # with the command line's LoRA adapters

@@ -1,0 +1,38 @@
+"""The engine flags `batchinfer run` and `batchinfer worker` share, and the EngineConfig overrides they give.
+
+A flag left out keeps the setting's value (Settings.engine_kwargs); one given overrides it for this process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar, cast
+
+import click
+
+from batchinfer.engine.config import KV_CACHE_DTYPES
+from batchinfer.engine_kwargs import EngineKwargs
+
+_Command = TypeVar("_Command", bound=Callable[..., object])
+
+
+def kv_cache_dtype_option(command: _Command) -> _Command:
+    """Add --kv-cache-dtype (a value outside the choices: click's one-line usage error naming them)."""
+    return click.option(
+        "--kv-cache-dtype", type=click.Choice(list(KV_CACHE_DTYPES)), default=None,
+        help="KV cache element type: auto (the model's dtype), or on CPU bf16, fp8_e4m3, int8 or u8 "
+             "(default: settings.kv_cache_dtype).")(command)
+
+
+def engine_overrides(*, device: str | None = None, dtype: str | None = None,
+                     kv_cache_dtype: str | None = None, quantization: str | None = None,
+                     max_model_len: int | None = None,
+                     tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
+                     distributed_executor_backend: str | None = None) -> EngineKwargs:
+    """The engine flags given on the command line (None: not given) as EngineConfig overrides."""
+    given = {"device": device, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
+             "max_model_len": max_model_len, "tensor_parallel_size": tensor_parallel_size,
+             "pipeline_parallel_size": pipeline_parallel_size,
+             "distributed_executor_backend": distributed_executor_backend}
+    # cast: each parameter has its EngineKwargs field's type; the checker cannot follow the comprehension
+    return cast(EngineKwargs, {name: value for name, value in given.items() if value is not None})
