@@ -6,7 +6,20 @@ Import-light: nothing here imports torch until an engine class is actually used.
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the exports' types for checkers; at run time each is imported on first use
+    from batchinfer.engine.config import EngineConfig as EngineConfig
+    from batchinfer.engine.llm import LLM as LLM
+    from batchinfer.engine.llm_engine import Engine as Engine
+    from batchinfer.engine.lora.request import LoRARequest as LoRARequest
+    from batchinfer.engine.metrics import EngineStats as EngineStats
+    from batchinfer.engine.models.resolved_model import ResolvedModel as ResolvedModel
+    from batchinfer.engine.outputs import CompletionOutput as CompletionOutput
+    from batchinfer.engine.outputs import Logprob as Logprob
+    from batchinfer.engine.outputs import RequestOutput as RequestOutput
+    from batchinfer.engine.sampling_params import SamplingParams as SamplingParams
+    from batchinfer.engine.worker.runner_protocol import ModelRunnerProtocol as ModelRunnerProtocol
 
 # public name -> the module defining it, imported on first use (PEP 562)
 _EXPORTS = {
@@ -26,7 +39,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _EXPORTS:
         return getattr(import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'batchinfer.engine' has no attribute {name!r}")

@@ -28,9 +28,12 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from batchinfer.engine.errors import ModelNotFoundError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # alias -> (PyPI distribution, importable package holding the file, GGUF file name)
 ALIASES: dict[str, tuple[str, str, str]] = {
@@ -129,7 +132,7 @@ def check_model(model: str, *, max_model_len: int | None) -> Path:
     return path
 
 
-def load_hf_config(path: Path) -> Any:  # a transformers PretrainedConfig (untyped attributes)
+def load_hf_config(path: Path) -> PretrainedConfig:
     """The transformers config of a resolved model dir."""
     from transformers import AutoConfig
 
@@ -244,7 +247,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
             ) from exc
         raise
     # The weights are dequantized now; drop the GGUF quantizer so save_pretrained writes plain tensors.
-    cast(Any, model).hf_quantizer = None  # a transformers PreTrainedModel attribute
+    cast(Any, model).hf_quantizer = None  # set ad hoc by from_pretrained: no class declares it
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir, safe_serialization=True)

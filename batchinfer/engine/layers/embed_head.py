@@ -9,13 +9,12 @@ sampler runs there only), other ranks get an empty tensor.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchinfer.engine.layers.linear import read_part, shape_of, tp_rank, tp_world_size
+from batchinfer.engine.layers.linear import CheckpointTensor, read_part, shape_of, tp_rank, tp_world_size
 from batchinfer.engine.parallel.distributed import all_reduce, gather_last_dim
 
 
@@ -37,7 +36,7 @@ class VocabParallelEmbedding(nn.Module):
         # blocks, the dense table then released.
         self.lookup: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         """Copy this rank's vocab rows of the checkpoint table (tensor or safetensors slice) into param."""
         expected = (self.num_embeddings, self.embedding_dim)
         if shape_of(loaded) != expected:

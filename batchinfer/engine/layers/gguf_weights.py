@@ -26,13 +26,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import torch
 from torch import nn
 
 if TYPE_CHECKING:  # the packed model is Llama's; imported for types only (models import layers)
+    from transformers import PretrainedConfig
+
     from batchinfer.engine.layers.linear import LinearBase
     from batchinfer.engine.models.llama import LlamaForCausalLM
 
@@ -62,7 +64,23 @@ class GGUFMismatchError(ValueError):
     """A GGUF tensor's blocks do not reproduce the weight loaded from the same file."""
 
 
-def gguf_kernel() -> Any:
+class GGUFKernels(Protocol):
+    """The block GEMMs of the CPU kernels' extension (csrc/gguf_linear.cpp): float32 x [N, K] -> [N, rows]."""
+
+    def q8_linear(
+        self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, tile_rows: int
+    ) -> torch.Tensor:
+        """x @ W.T for W in Q8_0 blocks (codes, scales d)."""
+        ...
+
+    def q4_linear(
+        self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, tile_rows: int
+    ) -> torch.Tensor:
+        """x @ W.T for W in Q4_0 / Q4_1 blocks (codes, scales d, minima m)."""
+        ...
+
+
+def gguf_kernel() -> GGUFKernels:
     """The extension holding q4_linear / q8_linear; a ValueError saying why where it cannot be built."""
     from batchinfer.engine.layers.cpu_attention import load
 
@@ -71,7 +89,7 @@ def gguf_kernel() -> Any:
         raise ValueError("quantization='gguf' runs on the native CPU kernels, which are disabled "
                          "(BATCHINFER_CPU_ATTENTION=sdpa) or could not be built (needs g++ and ninja); "
                          "run without quantization='gguf'")
-    return extension
+    return cast(GGUFKernels, extension)  # the extension module: its functions are untyped
 
 
 @dataclass(frozen=True)
@@ -204,7 +222,9 @@ class _Reader:
             return None
         return decode_blocks(tensor.data, tensor.tensor_type.name, columns)
 
-    def layer_blocks(self, layer: int, parts: tuple[str, ...], config: Any) -> BlockWeight | None:
+    def layer_blocks(
+        self, layer: int, parts: tuple[str, ...], config: PretrainedConfig
+    ) -> BlockWeight | None:
         """The row-stacked blocks of one fused module, or None where a part is not in one block kind."""
         found = []
         for part in parts:

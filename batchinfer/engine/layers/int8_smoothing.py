@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -125,7 +125,7 @@ def input_channel_maxima(
     """Per-input-channel max |x| (float32) of every linear layer over dense forwards of the inputs."""
     maxima: dict[nn.Module, torch.Tensor] = {}
 
-    def record(module: nn.Module, args: tuple[Any, ...]) -> None:
+    def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         x = args[0].detach()
         channel_max = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
         previous = maxima.get(module)

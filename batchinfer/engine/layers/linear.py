@@ -10,7 +10,7 @@ KV heads: with fewer KV heads than ranks each KV head is replicated on world_siz
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,19 +23,35 @@ from batchinfer.engine.parallel.distributed import all_reduce, tp_rank, tp_world
 __all__ = ["local_kv_heads", "tp_rank", "tp_world_size"]
 
 
-def shape_of(loaded: Any) -> tuple[int, ...]:
+class TensorSlice(Protocol):
+    """A safetensors lazy slice (safe_open.get_slice): its shape, and the part an index reads from disk."""
+
+    def get_shape(self) -> list[int]:
+        """The whole tensor's shape."""
+        ...
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
+        """Read the indexed part."""
+        ...
+
+
+# What the loader hands a weight_loader: a whole tensor, or under tensor parallelism a lazy slice.
+CheckpointTensor = torch.Tensor | TensorSlice
+
+
+def shape_of(loaded: CheckpointTensor) -> tuple[int, ...]:
     """Shape of a checkpoint tensor or safetensors slice."""
     return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
 
 
-def read_part(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
+def read_part(loaded: CheckpointTensor, dim: int, start: int, length: int) -> torch.Tensor:
     """Indices [start, start + length) along dim of a tensor or safetensors slice (reads only that part)."""
     if isinstance(loaded, torch.Tensor):
         return loaded.narrow(dim, start, length)
     return loaded[(slice(None),) * dim + (slice(start, start + length),)]
 
 
-def read_all(loaded: Any) -> torch.Tensor:
+def read_all(loaded: CheckpointTensor) -> torch.Tensor:
     """The whole checkpoint tensor (a safetensors slice is read)."""
     return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
 
@@ -69,7 +85,7 @@ class LinearBase(nn.Module):
         """The bias this rank adds (a row-parallel layer adds it on rank 0 only, so the sum stays right)."""
         return self.bias
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         """Copy this rank's slice of a checkpoint tensor into param."""
         if self.tp_size > 1 and param.dim() > self.tp_dim:  # a row-parallel bias is not split
             shard = param.size(self.tp_dim)
@@ -93,7 +109,9 @@ class LinearBase(nn.Module):
         return out
 
 
-def _take_rows(loaded: Any, shard_index: int, num_shards: int, size: int, dst: torch.Tensor) -> torch.Tensor:
+def _take_rows(
+    loaded: CheckpointTensor, shard_index: int, num_shards: int, size: int, dst: torch.Tensor
+) -> torch.Tensor:
     """Shard shard_index (`size` rows) of a checkpoint projection that should hold size * num_shards rows."""
     expected = (size * num_shards, *dst.shape[1:])
     if shape_of(loaded) != expected:
@@ -123,7 +141,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | None = None
+    ) -> None:
         """Load checkpoint projection number shard_id into its rows of the fused matrix."""
         if shard_id is None:
             if self.tp_size > 1:
@@ -152,7 +172,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp  # the parent divides by tp
         super().__init__(hidden_size, output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | None = None
+    ) -> None:
         """Load checkpoint projection shard_id ('q', 'k' or 'v') into its rows of the fused matrix."""
         if shard_id is None:
             if self.tp_size > 1:

@@ -8,17 +8,38 @@ fp32 logits match it; cos/sin for every position up to max_position are precompu
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Required, TypedDict, cast
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_settings(hf_config: Any) -> dict[str, Any]:
+class RopeSettings(TypedDict, total=False):
+    """A config's rope dict: the keys of transformers' rope_parameters that the scaling variants read."""
+
+    rope_type: Required[str]
+    rope_theta: Required[float]
+    factor: float
+    partial_rotary_factor: float
+    low_freq_factor: float  # llama3
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    attention_factor: float  # yarn
+    mscale: float
+    mscale_all_dim: float
+    beta_fast: float
+    beta_slow: float
+    truncate: bool
+
+
+def rope_settings(hf_config: PretrainedConfig) -> RopeSettings:
     """The rope dict of a config ({'rope_type', 'rope_theta', ...}), whichever transformers wrote it."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    params: dict[str, object] = dict(getattr(hf_config, "rope_parameters", None) or {})
     # Per-layer-type nesting ({"full_attention": {...}}) is not used by the Llama family.
     legacy = getattr(hf_config, "rope_scaling", None)
     if legacy and not params.get("rope_type"):
@@ -28,14 +49,14 @@ def rope_settings(hf_config: Any) -> dict[str, Any]:
     params.setdefault("rope_type", "default")
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
-    return params
+    return cast(RopeSettings, params)  # the config's JSON, as transformers keeps it
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
 
 
-def _llama3_inv_freq(params: dict[str, Any], dim: int) -> torch.Tensor:
+def _llama3_inv_freq(params: RopeSettings, dim: int) -> torch.Tensor:
     inv_freq = _default_inv_freq(params["rope_theta"], dim)
     factor = params["factor"]
     low_freq_factor = params["low_freq_factor"]
@@ -52,7 +73,7 @@ def _llama3_inv_freq(params: dict[str, Any], dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
-def _yarn_inv_freq(params: dict[str, Any], dim: int, max_position: int) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(params: RopeSettings, dim: int, max_position: int) -> tuple[torch.Tensor, float]:
     base = params["rope_theta"]
     original = params["original_max_position_embeddings"]
     factor = params.get("factor") or max_position / original
@@ -88,7 +109,7 @@ def _yarn_inv_freq(params: dict[str, Any], dim: int, max_position: int) -> tuple
 
 
 def compute_inv_freq(
-    params: dict[str, Any], rotary_dim: int, max_position_embeddings: int
+    params: RopeSettings, rotary_dim: int, max_position_embeddings: int
 ) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [rotary_dim / 2], attention scaling of cos/sin) for a rope dict."""
     rope_type = params["rope_type"]
@@ -116,7 +137,7 @@ class RotaryEmbedding(nn.Module):
         self,
         head_dim: int,
         max_position: int,
-        params: dict[str, Any],
+        params: RopeSettings,
         max_position_embeddings: int | None = None,
     ) -> None:
         super().__init__()
@@ -173,7 +194,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def get_rope(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbedding:
+def get_rope(hf_config: PretrainedConfig, head_dim: int, max_position: int) -> RotaryEmbedding:
     """The rotary embedding of a Llama-family config, precomputed for positions [0, max_position)."""
     settings = rope_settings(hf_config)
     return RotaryEmbedding(head_dim, max_position, settings, hf_config.max_position_embeddings)

@@ -26,12 +26,15 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from batchinfer.engine.layers.partition import local_kv_heads
 from batchinfer.engine.model_files import JsonObject
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -70,7 +73,7 @@ class ModuleLayout:
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # input features split across ranks (the rest: output)
 
 
-def module_layouts(hf_config: Any, tp_size: int = 1) -> dict[str, ModuleLayout]:
+def module_layouts(hf_config: PretrainedConfig, tp_size: int = 1) -> dict[str, ModuleLayout]:
     """Engine module name -> its layout on one of tp_size ranks, from the base model's config."""
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -159,7 +162,9 @@ def read_adapter_config(path: Path) -> JsonObject:
     return config
 
 
-def max_adapter_bytes(hf_config: Any, *, max_lora_rank: int, itemsize: int, tp_size: int = 1) -> int:
+def max_adapter_bytes(
+    hf_config: PretrainedConfig, *, max_lora_rank: int, itemsize: int, tp_size: int = 1
+) -> int:
     """The most one loaded adapter can take on a rank: rank max_lora_rank on all seven projections."""
     total = 0
     for layout in module_layouts(hf_config, tp_size).values():
@@ -195,7 +200,7 @@ def load_adapter(
     name: str,
     path: str | Path,
     *,
-    hf_config: Any,
+    hf_config: PretrainedConfig,
     max_lora_rank: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",

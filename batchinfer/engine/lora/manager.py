@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from cachetools import LRUCache
@@ -21,6 +21,9 @@ from batchinfer.engine.lora.request import LoRARequest
 from batchinfer.engine.parallel.distributed import tp_rank, tp_world_size
 from batchinfer.engine.worker.runner_protocol import ScheduledSequence
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 logger = logging.getLogger(__name__)
 
 ENGINE_MODULES = frozenset(module for module, _ in TARGET_MODULES.values())
@@ -30,7 +33,7 @@ class LoRAManager:
     """Loads adapters on first use into an LRU of max_cpu_loras; builds each step's LoRABatch."""
 
     def __init__(
-        self, hf_config: Any, *, max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype,
+        self, hf_config: PretrainedConfig, *, max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.hf_config = hf_config

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from batchinfer.engine.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 2/3, SmolLM2
@@ -15,7 +18,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(hf_config: Any) -> type[nn.Module]:
+def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
     """The implementation for a config's `architectures`, or a ValueError listing the supported ones."""
     architectures = getattr(hf_config, "architectures", None) or []
     for name in architectures:

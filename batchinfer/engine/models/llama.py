@@ -8,7 +8,7 @@ gate_up_proj). The forward takes packed tokens of all sequences ([T] ids and pos
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,12 +25,15 @@ from batchinfer.engine.layers.norm import RMSNorm
 from batchinfer.engine.layers.rotary import apply_rotary, get_rope, rotate_qkv_
 from batchinfer.engine.models.pipeline_stage import MissingLayer, PipelineStage
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def _head_dim(config: Any) -> int:
+
+def _head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _attention_biases(config: Any) -> tuple[bool, bool]:
+def _attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
     """(bias on q/k/v, bias on o_proj): Qwen2 always biases q/k/v only; Llama follows attention_bias."""
     if config.model_type == "qwen2":
         return True, False
@@ -38,7 +41,7 @@ def _attention_biases(config: Any) -> tuple[bool, bool]:
     return bias, bias
 
 
-def sliding_window(config: Any) -> int | None:
+def sliding_window(config: PretrainedConfig) -> int | None:
     """The attention window the config actually enables (None: full attention in every layer)."""
     window = getattr(config, "sliding_window", None)
     if window is None or getattr(config, "use_sliding_window", True) is False:
@@ -52,7 +55,7 @@ def sliding_window(config: Any) -> int | None:
 class LlamaAttention(nn.Module):
     """Self-attention: fused qkv projection, rotary embedding, paged attention, output projection."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.head_dim = _head_dim(config)
         qkv_bias, o_bias = _attention_biases(config)
@@ -86,7 +89,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
@@ -105,7 +108,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately so the add fuses into the next norm."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config)
         self.mlp = LlamaMLP(config)
@@ -132,7 +135,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm; a pipeline stage builds only its part of them."""
 
-    def __init__(self, config: Any, max_position: int, stage: PipelineStage | None = None) -> None:
+    def __init__(
+        self, config: PretrainedConfig, max_position: int, stage: PipelineStage | None = None
+    ) -> None:
         super().__init__()
         self.stage = stage or PipelineStage.whole(config.num_hidden_layers)
         # The last stage of a tied model keeps the table too: it is that stage's LM head.
@@ -182,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(
-        self, config: Any, max_model_len: int | None = None, stage: PipelineStage | None = None
+        self, config: PretrainedConfig, max_model_len: int | None = None, stage: PipelineStage | None = None
     ) -> None:
         super().__init__()
         max_model_len = max_model_len or config.max_position_embeddings

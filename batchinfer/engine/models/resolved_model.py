@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.model_files import max_model_len_for, read_json_file
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,7 @@ class ResolvedModel:
     """The model an engine runs: files, config, context length, tokenizer and EOS ids."""
 
     path: Path  # local HF-format directory (config.json + *.safetensors)
-    hf_config: Any  # transformers PretrainedConfig of `path`
+    hf_config: PretrainedConfig  # of `path`
     max_model_len: int  # EngineConfig.max_model_len, or the model's max_position_embeddings
     # EOS ids of the model config, generation_config.json and the tokenizer together (HF generate's set).
     eos_token_ids: frozenset[int]
@@ -56,7 +59,7 @@ def resolve_model(config: EngineConfig, *, with_tokenizer: bool = True) -> Resol
     return ResolvedModel(path, hf_config, max_model_len, eos, tokenizer)
 
 
-def _eos_token_ids(model_path: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:
+def _eos_token_ids(model_path: Path, hf_config: PretrainedConfig, tokenizer: object) -> frozenset[int]:
     # generation_config.json read as transformers' GenerationConfig reads its eos_token_id (int or list)
     generation = read_json_file(model_path / "generation_config.json")
     values = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None),

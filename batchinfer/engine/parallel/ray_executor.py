@@ -24,11 +24,16 @@ import logging
 import os
 import socket
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.models.resolved_model import ResolvedModel
 from batchinfer.engine.parallel.pp_stage import Topology, worker_main
+
+if TYPE_CHECKING:  # ray is an optional dependency
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +64,9 @@ class RayLauncher:
     """Ranks 1..N-1 as Ray actors on the running cluster (see the module docstring for their placement)."""
 
     def __init__(self) -> None:
-        self.actors: dict[int, Any] = {}
-        self.runs: dict[int, Any] = {}  # rank -> the ObjectRef of its `run` call
-        self.placement_groups: list[Any] = []
+        self.actors: dict[int, ActorHandle[_RankActor]] = {}
+        self.runs: dict[int, ObjectRef[int]] = {}  # rank -> its `run` call (the rank's pid when it exits)
+        self.placement_groups: list[PlacementGroup] = []
         self.threads_per_rank = 1
 
     def start(self, config: EngineConfig, model: ResolvedModel, topology: Topology, backend: str) -> str:

@@ -9,8 +9,6 @@ eagerly.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from batchinfer.engine.layers.context import AttentionContext, set_context
@@ -33,7 +31,7 @@ class DecodeGraphs:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_model_len = max_model_len
-        self.graphs: dict[int, Any] = {}  # decode batch size -> captured CUDA graph
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode batch size -> captured graph
         self._static: dict[str, torch.Tensor] = {}
 
     def size_for(self, context: AttentionContext, *, num_seqs: int, decode_only: bool) -> int | None:
