@@ -89,7 +89,7 @@ def peer_precision(dtype: str) -> str:
 def run_openvino(args: argparse.Namespace, busy: str | None) -> dict:
     """The peer on the same workload (all cores, as in engine_throughput.py), in its own venv."""
     from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.models.loader import cache_dir
+    from batchinfer.engine.model_files import cache_dir
     from batchinfer.engine.models.resolved_model import resolve_model
 
     resolved = resolve_model(EngineConfig(model=MODEL_ALIAS))

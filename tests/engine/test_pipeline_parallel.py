@@ -18,8 +18,9 @@ import torch
 
 from batchinfer.engine import LLM, SamplingParams
 from batchinfer.engine.errors import RankFailedError
+from batchinfer.engine.model_files import load_hf_config
 from batchinfer.engine.models.llama import LlamaForCausalLM
-from batchinfer.engine.models.loader import load_hf_config, load_weights
+from batchinfer.engine.models.loader import load_weights
 from batchinfer.engine.models.pipeline_stage import split_layers
 from batchinfer.engine.parallel.distributed import CMD_EXIT, CMD_STEP, tp_world_size
 from batchinfer.engine.parallel.pp_runner import PipelineParallelRunner, split_micro_batches

@@ -110,8 +110,9 @@ def test_worker_command_has_dtype_and_quantization_options(monkeypatch, tmp_path
 
 def _load_float_model(path: Path) -> torch.nn.Module:
     """The tiny model with its weights loaded and nothing packed (what pack_weights receives)."""
+    from batchinfer.engine.model_files import load_hf_config
     from batchinfer.engine.models import get_model_class
-    from batchinfer.engine.models.loader import load_hf_config, load_weights
+    from batchinfer.engine.models.loader import load_weights
 
     hf_config = load_hf_config(path)
     model = get_model_class(hf_config)(hf_config, 128)

@@ -124,13 +124,13 @@ class GGUFBlocks(QuantizationFormat):
 
     def weight_source(self, model: str) -> Path | None:
         """The .gguf file `model` stands for; a ValueError naming the fix when it is none."""
-        from batchinfer.engine.models.loader import required_gguf_source
+        from batchinfer.engine.model_files import required_gguf_source
 
         return required_gguf_source(model)
 
     def draft_quantization(self, draft_model: str) -> str | None:
         """A GGUF draft runs its blocks too; another draft runs in the target's dtype."""
-        from batchinfer.engine.models.loader import gguf_source
+        from batchinfer.engine.model_files import gguf_source
 
         return self.name if gguf_source(draft_model) is not None else None
 

@@ -48,7 +48,8 @@ def resolve_model(config: EngineConfig, *, with_tokenizer: bool = True) -> Resol
     with_tokenizer=False skips the tokenizer (a ModelRunner built on its own needs none), so the EOS
     ids then come from the model config and generation_config.json only.
     """
-    from batchinfer.engine.models.loader import load_hf_config, load_tokenizer, resolve_model_path
+    from batchinfer.engine.model_files import load_hf_config, resolve_model_path
+    from batchinfer.engine.models.loader import load_tokenizer
 
     path = resolve_model_path(config.model)
     hf_config = load_hf_config(path)
