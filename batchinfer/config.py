@@ -6,19 +6,16 @@ Precedence, highest first: explicit keyword arguments, environment variables, th
 
 Mistakes are one-line `ConfigError`s rather than tracebacks: an unknown TOML key or `BATCHINFER_*`
 variable names the closest valid setting, a `BATCHINFER_CONFIG` naming no file is an error, and an
-invalid value names the setting and where it came from (`setting_sources`).
+invalid value names the setting and where it came from (`setting_sources`). Reading the TOML file, the
+`BATCHINFER_*` names that are not settings, and telling which source gave a value: config_sources.py.
 """
 
 from __future__ import annotations
 
-import difflib
-import os
-import tomllib
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-import platformdirs
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
@@ -27,28 +24,17 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from batchinfer.config_sources import (
+    DEFAULT_DATA_DIR,
+    ConfigError,
+    check_names,
+    config_file_path,
+    read_config_file,
+    sources_of,
+)
 from batchinfer.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
-from batchinfer.engine.native.threads import CHOSEN_MARKER
 from batchinfer.engine_kwargs import EngineKwargs
 from batchinfer.wire.json_types import JSONObject
-
-DEFAULT_DATA_DIR = Path(platformdirs.user_data_dir("batchinfer", appauthor=False))
-
-
-ENV_PREFIX = "BATCHINFER_"
-# BATCHINFER_* variables that are not settings (read before the settings exist, or by one module).
-OTHER_ENV_VARS = frozenset({
-    "BATCHINFER_CONFIG",         # the TOML file (this module)
-    "BATCHINFER_CACHE_DIR",      # converted models (batchinfer.engine.models.loader)
-    "BATCHINFER_CPU_ATTENTION",  # "sdpa" selects the pure-torch CPU attention (engine.layers.cpu_attention)
-    "BATCHINFER_CPU_LINEAR",     # "aten": no oneDNN weight prepacking (engine.layers.weight_packing)
-    "BATCHINFER_CPU_FUSED",      # "0": no fused CPU rotary / SiLU-and-mul (engine.layers.cpu_attention)
-    "BATCHINFER_KERNEL_DIR",     # where native CPU kernels are built and found (engine.native.build)
-    "BATCHINFER_CPU_NATIVE_STEP",  # "0": the Python layer loop, not the native step (engine.worker)
-    CHOSEN_MARKER,               # the OpenMP variables chosen, for child processes (engine.native.threads)
-})
-TEST_ENV_PREFIX = "BATCHINFER_TEST_"  # the test suite's own servers (tests/conftest.py)
-
 
 # Limits on by default that 0 or one of OFF_WORDS turns off (README "Security").
 DISABLEABLE_LIMITS = ("max_owner_stored_bytes", "max_owner_active_jobs", "max_owner_pending_requests",
@@ -56,70 +42,9 @@ DISABLEABLE_LIMITS = ("max_owner_stored_bytes", "max_owner_active_jobs", "max_ow
 OFF_WORDS = frozenset({"", "0", "0.0", "none", "off", "null"})
 
 
-class ConfigError(ValueError):
-    """A setting is unknown or invalid, or the config file is missing or unreadable: one line says which."""
-
-
-def _config_file() -> Path:
-    explicit = os.environ.get("BATCHINFER_CONFIG")
-    if explicit:
-        return Path(explicit)
-    data_dir = Path(os.environ.get("BATCHINFER_DATA_DIR", DEFAULT_DATA_DIR))
-    return data_dir / "config.toml"
-
-
-def _closest(name: str, valid: list[str]) -> str:
-    """' (did you mean X?)' for the valid name closest to `name`, or '' when none is close."""
-    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-    return f" (did you mean {match[0]}?)" if match else ""
-
-
-def _read_config_file() -> tuple[Path, dict[str, object]] | None:
-    """The TOML file's path and table, None when the default file does not exist."""
-    path = _config_file()
-    if not path.is_file():
-        if os.environ.get("BATCHINFER_CONFIG"):
-            raise ConfigError(f"BATCHINFER_CONFIG={path}: no such file (unset it to use the defaults)")
-        return None
-    try:
-        with path.open("rb") as fh:
-            return path, tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"config file {path}: {exc}") from None
-
-
-def _check_names(settings_cls: type[BaseSettings], table: dict[str, object] | None,
-                 path: Path | None) -> None:
-    """Refuse an unknown TOML key or BATCHINFER_* variable, naming the closest valid one."""
-    fields = sorted(settings_cls.model_fields)
-    for key in table or {}:
-        if key not in settings_cls.model_fields:
-            raise ConfigError(f"config file {path}: unknown setting {key!r}{_closest(key, fields)}")
-    env_names = sorted({ENV_PREFIX + name.upper() for name in fields} | OTHER_ENV_VARS)
-    for variable in sorted(os.environ):
-        upper = variable.upper()
-        if not upper.startswith(ENV_PREFIX) or upper.startswith(TEST_ENV_PREFIX) or upper in env_names:
-            continue
-        raise ConfigError(f"unknown environment variable {variable}{_closest(upper, env_names)}; "
-                          f"settings are {ENV_PREFIX}<NAME> (see `batchinfer config show`)")
-
-
-def _env_value(name: str) -> str | None:
-    """The environment variable that sets `name`, matched case-insensitively as pydantic-settings does."""
-    wanted = ENV_PREFIX + name.upper()
-    return next((variable for variable in os.environ if variable.upper() == wanted), None)
-
-
 def setting_sources() -> dict[str, str]:
     """Where each setting's value comes from: 'env BATCHINFER_<NAME>', 'file PATH' or 'default'."""
-    loaded = _read_config_file()
-    path, table = loaded if loaded else (None, {})
-    out: dict[str, str] = {}
-    for name in Settings.model_fields:
-        variable = _env_value(name)
-        out[name] = f"env {variable}" if variable else f"file {path}" if name in table else "default"
-    out["config_file"] = "env BATCHINFER_CONFIG" if os.environ.get("BATCHINFER_CONFIG") else "default"
-    return out
+    return sources_of(Settings.model_fields)
 
 
 class Settings(BaseSettings):
@@ -318,8 +243,8 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Add the optional TOML file below the environment, after refusing unknown names."""
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        loaded = _read_config_file()
-        _check_names(settings_cls, loaded[1] if loaded else None, loaded[0] if loaded else None)
+        loaded = read_config_file()
+        check_names(settings_cls, loaded[1] if loaded else None, loaded[0] if loaded else None)
         if loaded:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=loaded[0]))
         return tuple(sources)
@@ -383,7 +308,7 @@ class Settings(BaseSettings):
             out[name] = value
         out["database_url"] = mask_url_password(self.effective_database_url)
         out["local_mode"] = self.local_mode
-        out["config_file"] = str(_config_file())
+        out["config_file"] = str(config_file_path())
         return out
 
 

@@ -17,7 +17,7 @@ import click
 from batchinfer import __version__
 from batchinfer.cli.context import server_option
 from batchinfer.cli.output import EXIT_ERROR, show_error
-from batchinfer.config import ConfigError
+from batchinfer.config_sources import ConfigError
 from batchinfer.engine.native.threads import configure_openmp_env
 
 # OpenMP reads its thread count and wait policy when torch is first imported (by `run`, `worker`): set the

@@ -220,7 +220,8 @@ def test_every_batchinfer_variable_read_in_the_code_is_known() -> None:
     the unknown-variable check would refuse it."""
     import re
 
-    from batchinfer.config import ENV_PREFIX, OTHER_ENV_VARS, TEST_ENV_PREFIX, Settings
+    from batchinfer.config import Settings
+    from batchinfer.config_sources import ENV_PREFIX, OTHER_ENV_VARS, TEST_ENV_PREFIX
 
     root = Path(__file__).resolve().parents[2]
     known = {ENV_PREFIX + name.upper() for name in Settings.model_fields} | OTHER_ENV_VARS

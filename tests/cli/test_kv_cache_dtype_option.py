@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from batchinfer.cli import main
-from batchinfer.config import ConfigError, Settings, load_settings
+from batchinfer.config import Settings, load_settings
+from batchinfer.config_sources import ConfigError
 from batchinfer.engine.config import KV_CACHE_DTYPES
 from tests.workers.helpers import read_lines, write_requests
 

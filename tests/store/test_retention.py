@@ -100,7 +100,8 @@ def test_each_limit_on_by_default_is_turned_off_by_0_or_none(session, off: str,
 
 
 def test_a_negative_limit_is_refused_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    from batchinfer.config import ConfigError, load_settings
+    from batchinfer.config import load_settings
+    from batchinfer.config_sources import ConfigError
 
     monkeypatch.setenv("BATCHINFER_MAX_OWNER_ACTIVE_JOBS", "-3")
     with pytest.raises(ConfigError, match="invalid setting max_owner_active_jobs = '-3'"):
