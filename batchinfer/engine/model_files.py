@@ -12,7 +12,7 @@ leaves only a temp dir that the next conversion removes.
 
 Import-light (part of the engine's public face): torch and transformers are imported only to convert a
 GGUF, so `batchinfer run` checks a model and keys its result cache without them (a job served wholly
-from the cache never imports them; engine/models/loader.py loads the weights and re-exports these names).
+from the cache never imports them; engine/models/loader.py loads the weights and the tokenizer).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Loading model weights into our modules, and the tokenizer (the model's files are found by
-engine/model_files.py, torch-free; its names are re-exported here for the engine's callers)."""
+"""Loading model weights into our modules, and the tokenizer (the model's files are found, and its config
+read, by engine/model_files.py, torch-free: import those names from there)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from batchinfer.engine.errors import ModelNotFoundError as ModelNotFoundError  # raised by resolve_model_path
-from batchinfer.engine.model_files import ALIASES as ALIASES
-from batchinfer.engine.model_files import cache_dir as cache_dir
-from batchinfer.engine.model_files import gguf_source as gguf_source
-from batchinfer.engine.model_files import load_hf_config as load_hf_config
-from batchinfer.engine.model_files import required_gguf_source as required_gguf_source
+# Re-exported until bench/embeddings.py imports it from model_files.
 from batchinfer.engine.model_files import resolve_model_path as resolve_model_path
 from batchinfer.engine.model_files import safetensors_files
 
@@ -31,6 +26,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     """The transformers tokenizer of a resolved model dir (chat template included)."""
+    # Any, honestly: a transformers tokenizer, whose typed overloads (apply_chat_template's union result,
+    # its fixed keywords) do not take the callers' chat_template_kwargs; they use it as transformers says.
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

@@ -28,7 +28,8 @@ class ResolvedModel:
     max_model_len: int  # EngineConfig.max_model_len, or the model's max_position_embeddings
     # EOS ids of the model config, generation_config.json and the tokenizer together (HF generate's set).
     eos_token_ids: frozenset[int]
-    # None when resolved without one (a runner alone; TP worker ranks): only the engine decodes.
+    # A transformers tokenizer (see loader.load_tokenizer), read by the engine through core.tokenizer's
+    # Protocol; None when resolved without one (a runner alone; TP worker ranks): only the engine decodes.
     tokenizer: Any = field(default=None, compare=False, repr=False)
 
     @property
