@@ -24,7 +24,7 @@ ENV_PREFIX = "BATCHINFER_"
 # BATCHINFER_* variables that are not settings (read before the settings exist, or by one module).
 OTHER_ENV_VARS = frozenset({
     "BATCHINFER_CONFIG",         # the TOML file (this module)
-    "BATCHINFER_CACHE_DIR",      # converted models (batchinfer.engine.models.loader)
+    "BATCHINFER_CACHE_DIR",      # converted models (batchinfer.engine.model_files)
     "BATCHINFER_CPU_ATTENTION",  # "sdpa" selects the pure-torch CPU attention (engine.layers.cpu_attention)
     "BATCHINFER_CPU_LINEAR",     # "aten": no oneDNN weight prepacking (engine.layers.weight_packing)
     "BATCHINFER_CPU_FUSED",      # "0": no fused CPU rotary / SiLU-and-mul (engine.layers.cpu_attention)

@@ -156,7 +156,7 @@ _SHAPES_LOCK = threading.Lock()  # the API ingests on several threads
 
 def _config_dirs(model: str) -> list[Path]:
     path = Path(model).expanduser()
-    # Aliases are converted into the engine's cache (engine/models/loader.py cache_dir(): the same rule).
+    # Aliases are converted into the engine's cache (engine/model_files.py cache_dir(): the same rule).
     cache = Path(os.environ.get("BATCHINFER_CACHE_DIR") or Path.home() / ".cache" / "batchinfer")
     try:
         return [path] if path.is_dir() else [cache / "models" / model] if "/" not in model else []
