@@ -216,8 +216,8 @@ def test_config_show_sources(env: Path, monkeypatch) -> None:
 
 
 def test_every_batchinfer_variable_read_in_the_code_is_known() -> None:
-    """A BATCHINFER_* variable read anywhere but Settings must be listed in config_sources.OTHER_ENV_VARS, else
-    the unknown-variable check would refuse it."""
+    """A BATCHINFER_* variable read anywhere but Settings must be listed in config_sources.OTHER_ENV_VARS,
+    else the unknown-variable check would refuse it."""
     import re
 
     from batchinfer.config import Settings
@@ -232,4 +232,5 @@ def test_every_batchinfer_variable_read_in_the_code_is_known() -> None:
                 seen |= set(re.findall(r"BATCHINFER_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="ignore")))
     seen |= set(re.findall(r"BATCHINFER_[A-Z0-9_]*[A-Z0-9]", (root / "README.md").read_text()))
     unknown = {name for name in seen - known if not (name + "_").startswith(TEST_ENV_PREFIX)}
-    assert unknown == set(), f"add these to batchinfer.config_sources.OTHER_ENV_VARS or Settings: {sorted(unknown)}"
+    assert unknown == set(), (f"add these to batchinfer.config_sources.OTHER_ENV_VARS or Settings: "
+                              f"{sorted(unknown)}")
