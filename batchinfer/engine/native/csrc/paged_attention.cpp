@@ -182,6 +182,39 @@ static inline __m512 dot16(const float* qf, const bf16* qb, const K* k) {
   return acc;
 }
 
+// The weighted sum of values for GT query heads (scores [GT, L] already softmaxed, unnormalized).
+template <int D16, int GT, typename T, typename K>
+static inline void pv_tile(const float* scores, int64_t L, const CacheView<K>& vc, const int32_t* table,
+                           int64_t BS, const float* inv_sum, T* op, int64_t o_h) {
+  __m512 acc[GT][D16];
+  float zsum[GT];
+  for (int gi = 0; gi < GT; ++gi) {
+    zsum[gi] = 0.f;
+    for (int i = 0; i < D16; ++i) acc[gi][i] = _mm512_setzero_ps();
+  }
+  for (int64_t t0 = 0, b = 0; t0 < L; t0 += BS, ++b) {
+    const int64_t n = std::min(BS, L - t0);
+    const K* base = vc.block(table[b]);
+    const float* params = vc.block_params(table[b]);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 v[D16];
+      for (int i = 0; i < D16; ++i) v[i] = load16(base + j * vc.row + 16 * i);
+      const float vs = params ? params[j * vc.prow] : 1.f;
+      const float vz = (params && vc.num_params == 2) ? params[j * vc.prow + 1] : 0.f;
+      for (int gi = 0; gi < GT; ++gi) {
+        const float p = scores[gi * L + t0 + j];
+        zsum[gi] += p * vz;
+        const __m512 w = _mm512_set1_ps(p * vs);
+        for (int i = 0; i < D16; ++i) acc[gi][i] = _mm512_fmadd_ps(w, v[i], acc[gi][i]);
+      }
+    }
+  }
+  for (int gi = 0; gi < GT; ++gi) {
+    const __m512 sc = _mm512_set1_ps(inv_sum[gi]), z = _mm512_set1_ps(zsum[gi] * inv_sum[gi]);
+    for (int i = 0; i < D16; ++i) store16(op + gi * o_h + 16 * i, _mm512_fmadd_ps(acc[gi][i], sc, z));
+  }
+}
+
 // One (sequence, kv head): scores, softmax, then the weighted sum of values, for its G query heads.
 template <int D16, typename T, typename K, bool kDp>
 static void item_avx512(const T* qrow, int64_t q_h, const CacheView<K>& kc, const CacheView<K>& vc,
@@ -224,37 +257,21 @@ static void item_avx512(const T* qrow, int64_t q_h, const CacheView<K>& kc, cons
     }
   }
   softmax_rows(scores, G, L, inv_sum);
-  constexpr int64_t kMaxTile = 24 / D16;  // accumulators kept in registers: tile * D16 of the 32 zmm
+  constexpr int kMaxTile = 24 / D16;  // accumulators kept in registers: tile * D16 of the 32 zmm
   for (int64_t g0 = 0; g0 < G; g0 += kMaxTile) {
-    const int64_t gt = std::min<int64_t>(kMaxTile, G - g0);
-    __m512 acc[kMaxTile][D16];
-    float zsum[kMaxTile];
-    for (int64_t gi = 0; gi < kMaxTile; ++gi) {
-      zsum[gi] = 0.f;
-      for (int i = 0; i < D16; ++i) acc[gi][i] = _mm512_setzero_ps();
-    }
-    for (int64_t t0 = 0, b = 0; t0 < L; t0 += BS, ++b) {
-      const int64_t n = std::min(BS, L - t0);
-      const K* base = vc.block(table[b]);
-      const float* params = vc.block_params(table[b]);
-      for (int64_t j = 0; j < n; ++j) {
-        __m512 v[D16];
-        for (int i = 0; i < D16; ++i) v[i] = load16(base + j * vc.row + 16 * i);
-        const float vs = params ? params[j * vc.prow] : 1.f;
-        const float vz = (params && vc.num_params == 2) ? params[j * vc.prow + 1] : 0.f;
-        for (int64_t gi = 0; gi < gt; ++gi) {
-          const float p = scores[(g0 + gi) * L + t0 + j];
-          zsum[gi] += p * vz;
-          const __m512 w = _mm512_set1_ps(p * vs);
-          for (int i = 0; i < D16; ++i) acc[gi][i] = _mm512_fmadd_ps(w, v[i], acc[gi][i]);
+    const float* sg = scores + g0 * L;
+    T* o = op + g0 * o_h;
+    switch (std::min<int64_t>(kMaxTile, G - g0)) {  // a compile-time tile: its accumulators stay in registers
+      case 1: pv_tile<D16, 1>(sg, L, vc, table, BS, inv_sum + g0, o, o_h); break;
+      case 2: pv_tile<D16, 2>(sg, L, vc, table, BS, inv_sum + g0, o, o_h); break;
+      case 3: pv_tile<D16, 3>(sg, L, vc, table, BS, inv_sum + g0, o, o_h); break;
+      default:
+        if constexpr (kMaxTile >= 6) {
+          const int64_t gt = std::min<int64_t>(kMaxTile, G - g0);
+          if (gt == 4) pv_tile<D16, 4>(sg, L, vc, table, BS, inv_sum + g0, o, o_h);
+          else if (gt == 5) pv_tile<D16, 5>(sg, L, vc, table, BS, inv_sum + g0, o, o_h);
+          else pv_tile<D16, 6>(sg, L, vc, table, BS, inv_sum + g0, o, o_h);
         }
-      }
-    }
-    for (int64_t gi = 0; gi < gt; ++gi) {
-      const float inv = inv_sum[g0 + gi];
-      const __m512 sc = _mm512_set1_ps(inv), z = _mm512_set1_ps(zsum[gi] * inv);
-      T* o = op + (g0 + gi) * o_h;
-      for (int i = 0; i < D16; ++i) store16(o + 16 * i, _mm512_fmadd_ps(acc[gi][i], sc, z));
     }
   }
 }
