@@ -33,6 +33,7 @@ from batchinfer.config_sources import (
     sources_of,
 )
 from batchinfer.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from batchinfer.engine.speculative_config import parse_speculative_config
 from batchinfer.engine_kwargs import EngineKwargs
 from batchinfer.wire.json_types import JSONObject
 
@@ -190,8 +191,6 @@ class Settings(BaseSettings):
     @field_validator("speculative_config", mode="after")
     @classmethod
     def _check_speculative_config(cls, value: JSONObject | None) -> JSONObject | None:
-        from batchinfer.engine.speculative_config import parse_speculative_config  # pure Python
-
         parse_speculative_config(value)  # a ValueError naming speculative_config.<key>
         return value
 
@@ -285,7 +284,7 @@ class Settings(BaseSettings):
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "distributed_executor_backend": self.distributed_executor_backend,
-            "speculative_config": self.speculative_config,
+            "speculative_config": parse_speculative_config(self.speculative_config),
             "enable_lora": bool(self.lora_modules),
             "max_loras": self.max_loras,
             "max_lora_rank": self.max_lora_rank,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from batchinfer.wire.json_types import JSONObject
+from batchinfer.engine.speculative_config import SpeculativeConfig
 
 
 class EngineKwargs(TypedDict, total=False):
@@ -30,7 +30,7 @@ class EngineKwargs(TypedDict, total=False):
     tensor_parallel_size: int
     pipeline_parallel_size: int
     distributed_executor_backend: str
-    speculative_config: JSONObject | None
+    speculative_config: SpeculativeConfig | None  # parsed from the setting's JSON (Settings.engine_kwargs)
     enable_lora: bool
     max_loras: int
     max_lora_rank: int

@@ -9,13 +9,14 @@ import importlib.util
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 # EngineConfig.quantization values besides None: int8 weights (fbgemm), or a GGUF model's own Q4_0 / Q4_1 /
 # Q8_0 blocks; each format's loader, packer and kernel live in engine/layers/quantization.py
 from batchinfer.engine.layers.quantization import QUANTIZATIONS as QUANTIZATIONS  # re-exported: settings, CLI
 from batchinfer.engine.layers.quantization import quantization_format, splitting_formats
 from batchinfer.engine.native.cpu_features import cpu_has_native_bf16  # tests import it from here too
+from batchinfer.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
     import torch
@@ -105,9 +106,10 @@ class EngineConfig:
     distributed_executor_backend: str = "mp"  # EXECUTOR_BACKENDS; "ray" joins a running Ray cluster
     # CPU, one rank: lower the thread count while other work keeps some of our cores busy (threads.py).
     adaptive_threads: bool = True
-    # Speculative decoding: {"method": "ngram" | "draft_model", ...} (spec_decode/config.py); None: off.
-    # Validated into a SpeculativeConfig here, so errors name speculative_config.<key>.
-    speculative_config: Any = None
+    # Speculative decoding: None (off), a SpeculativeConfig, or its dict {"method": "ngram" | "draft_model",
+    # ...} (speculative_config.py), which construction validates into a SpeculativeConfig, so errors name
+    # speculative_config.<key>; after construction it is always a SpeculativeConfig or None.
+    speculative_config: SpeculativeConfig | None = None
     # Multi-LoRA (lora/): requests may run under PEFT adapters (lora_request); max_loras adapters in one
     # step, ranks up to max_lora_rank, max_cpu_loras adapters kept loaded (None: max_loras), LRU evicted.
     enable_lora: bool = False
@@ -162,9 +164,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false; got {getattr(self, name)!r}")
         self._check_lora()
-        from batchinfer.engine.speculative_config import parse_speculative_config
-
-        self.speculative_config = parse_speculative_config(self.speculative_config)
+        self.speculative_config = parse_speculative_config(self.speculative_config)  # the dict form too
         if self.speculative_config is not None and self.speculative_config.method == "draft_model" \
                 and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config.method: draft_model runs with tensor_parallel_size=1 and "

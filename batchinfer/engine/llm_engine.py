@@ -78,7 +78,7 @@ class Engine:
 
             self.recorder.spec_counts = self.speculator.counts
             self.recorder.spec_metrics = SpecDecodeMetrics(self.recorder.metrics.labels,
-                                                           config.speculative_config.num_speculative_tokens)
+                                                           self.speculator.spec.num_speculative_tokens)
         if config.enable_lora:
             from batchinfer.engine.lora.metrics import LoRAMetrics
 
