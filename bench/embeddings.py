@@ -80,7 +80,7 @@ def transformers_child(texts_path: Path, out_path: Path, model: str, batch_size:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from batchinfer.engine.models.loader import resolve_model_path
+    from batchinfer.engine.model_files import resolve_model_path
 
     path = resolve_model_path(model)
     texts = orjson.loads(texts_path.read_bytes())

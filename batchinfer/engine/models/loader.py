@@ -10,8 +10,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-# Re-exported until bench/embeddings.py imports it from model_files.
-from batchinfer.engine.model_files import resolve_model_path as resolve_model_path
 from batchinfer.engine.model_files import safetensors_files
 
 if TYPE_CHECKING:
