@@ -31,7 +31,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,8 @@ from batchinfer.engine.worker.runner_protocol import (
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
 
+    from transformers import PretrainedConfig
+
     from batchinfer.engine.lora.request import LoRARequest
     from batchinfer.engine.parallel.ray_executor import RayLauncher
 
@@ -76,7 +78,7 @@ MIN_MICRO_BATCH_TOKENS = 32
 DEATH_NOTICE_S = 2.0
 
 
-def check_pipeline_parallel_size(config: EngineConfig, hf_config: Any) -> None:
+def check_pipeline_parallel_size(config: EngineConfig, hf_config: PretrainedConfig) -> None:
     """Raise ValueError naming pipeline_parallel_size when the model or machine cannot be split so."""
     layers = hf_config.num_hidden_layers
     if config.pipeline_parallel_size > layers:

@@ -28,7 +28,7 @@ import math
 import os
 import socket
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
     from multiprocessing.synchronize import Event
 
+    from transformers import PretrainedConfig
+
     from batchinfer.engine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ logger = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 30.0
 
 
-def check_tensor_parallel_size(tp_size: int, hf_config: Any, device: str) -> None:
+def check_tensor_parallel_size(tp_size: int, hf_config: PretrainedConfig, device: str) -> None:
     """Raise ValueError naming tensor_parallel_size when the model or machine cannot be split tp_size ways."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads

@@ -34,6 +34,7 @@ from batchinfer.engine.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from batchinfer.engine.core.sequence import Sequence as EngineSequence
+    from batchinfer.engine.lora.request import LoRARequest
 
 
 @dataclasses.dataclass
@@ -43,6 +44,7 @@ class _DraftSeq:
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list[int]
+    lora_request: LoRARequest | None = None  # the draft proposes from its base model (no adapters)
 
 
 class DraftModelProposer:

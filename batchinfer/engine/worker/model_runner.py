@@ -24,7 +24,7 @@ import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -47,6 +47,7 @@ from batchinfer.engine.worker.native_step import NativeStep
 if TYPE_CHECKING:  # the one architecture; imported for types only
     from batchinfer.engine.lora.request import LoRARequest
     from batchinfer.engine.models.llama import LlamaForCausalLM
+    from batchinfer.engine.worker.runner_protocol import ScheduledSequence
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class _ProfileSeq:
     token_ids: list[int]
     block_table: list[int]
     num_computed_tokens: int = 0
+    lora_request: LoRARequest | None = None
 
 
 @contextlib.contextmanager
@@ -249,7 +251,7 @@ class ModelRunner:
     # --- one step -------------------------------------------------------------------------------------
 
     def _prepare(
-        self, scheduled: Sequence[tuple[Any, int]], logits_counts: Sequence[int] | None = None
+        self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None
     ) -> _StepBatch:
         bs = self.block_size
         input_ids: list[int] = []
@@ -320,7 +322,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(
-        self, scheduled: Sequence[tuple[Any, int]], logits_counts: Sequence[int] | None = None
+        self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Run one step; float32 logits of each entry's last scheduled token.
 
