@@ -32,7 +32,8 @@ from batchinfer.config_sources import (
     read_config_file,
     sources_of,
 )
-from batchinfer.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from batchinfer.engine.config import KV_CACHE_DTYPES
+from batchinfer.engine.layers.quantization import QUANTIZATIONS
 from batchinfer.engine.speculative_config import parse_speculative_config
 from batchinfer.engine_kwargs import EngineKwargs
 from batchinfer.wire.json_types import JSONObject

@@ -115,6 +115,7 @@ def ours_vectors(output: Path, per_line: int) -> list[list[float]]:
 
 
 def main() -> None:
+    """Run both sides as whole processes and print the pair: wall, CPU, ratio, min cosine."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--texts", type=int, default=480)

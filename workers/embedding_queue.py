@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from batchinfer.engine.llm_engine import Engine
 
 
-@dataclass
+@dataclass(eq=False)  # removed from the queue by identity, never compared by value
 class _Work:
     """A request being run a turn's share at a time: its token ids (on its first turn), its vectors so far."""
 

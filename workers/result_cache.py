@@ -123,10 +123,14 @@ class ModelIdentity:
         """An output line's `provenance` object."""
         adapter = (None if self.adapter is None
                    else AdapterInfo(name=self.adapter, fingerprint=self.adapter_fingerprint))
-        return {"engine": {"name": ENGINE_NAME, "version": __version__}, "model": self.model,
-                "model_fingerprint": self.model_fingerprint, "adapter": adapter, "dtype": self.dtype,
-                "quantization": self.quantization, "seed": seed, "result_cache": source,
-                "computed_in": f"batch_{computed_in}"}
+        provenance: Provenance = {
+            "engine": {"name": ENGINE_NAME, "version": __version__}, "model": self.model,
+            "model_fingerprint": self.model_fingerprint, "adapter": adapter, "dtype": self.dtype,
+            "quantization": self.quantization, "seed": seed, "result_cache": source,
+            "computed_in": f"batch_{computed_in}"}
+        if self.kv_cache_dtype != "auto":  # as in key_fields: the estimate's forecast reads it back
+            provenance["kv_cache_dtype"] = self.kv_cache_dtype
+        return provenance
 
 
 def fingerprint_cache_dir() -> Path:

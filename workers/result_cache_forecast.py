@@ -47,7 +47,8 @@ def recorded_identity(session: Session, *, model: str) -> ModelIdentity | None:
             if model in (provenance.get("model"), adapter.get("name")):
                 found = ModelIdentity(provenance["model"], provenance["model_fingerprint"],
                                       provenance["dtype"], provenance.get("quantization"),
-                                      adapter.get("name"), adapter.get("fingerprint"))
+                                      adapter.get("name"), adapter.get("fingerprint"),
+                                      provenance.get("kv_cache_dtype", "auto"))
                 break
         if found is not None:
             break

@@ -19,8 +19,8 @@ from batchinfer.cli.engine_flags import engine_overrides, kv_cache_dtype_option
 from batchinfer.cli.lora_options import check_adapters, lora_options, with_lora_settings
 from batchinfer.cli.output import emit, fail, json_option, stdout_to_stderr
 from batchinfer.config import get_settings
-from batchinfer.engine.config import QUANTIZATIONS
 from batchinfer.engine.errors import RankFailedError
+from batchinfer.engine.layers.quantization import QUANTIZATIONS
 
 if TYPE_CHECKING:
     from batchinfer.store.shards import RescueReport

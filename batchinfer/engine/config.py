@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 # EngineConfig.quantization values besides None: int8 weights (fbgemm), or a GGUF model's own Q4_0 / Q4_1 /
 # Q8_0 blocks; each format's loader, packer and kernel live in engine/layers/quantization.py
-from batchinfer.engine.layers.quantization import QUANTIZATIONS as QUANTIZATIONS  # re-exported: settings, CLI
 from batchinfer.engine.layers.quantization import quantization_format, splitting_formats
 from batchinfer.engine.native.cpu_features import cpu_has_native_bf16  # tests import it from here too
 from batchinfer.engine.speculative_config import SpeculativeConfig, parse_speculative_config

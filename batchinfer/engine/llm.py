@@ -93,8 +93,10 @@ class LLM:
             try:
                 vectors, _ = self.engine.embed(token_ids)
             except ValueError as exc:  # Engine.embed names input[i]: i is the prompt's index here
-                index = re.match(r"input\[(\d+)\]", str(exc))
-                raise ValueError(f"prompts[{index.group(1) if index else '?'}]: {exc}") from None
+                index = re.match(r"input\[(\d+)\]: ", str(exc))
+                if index is None:
+                    raise
+                raise ValueError(f"prompts[{index.group(1)}]: {str(exc)[index.end():]}") from None
             for ids, vector in zip(token_ids, vectors, strict=True):
                 request_id = f"embed-{next(self._ids)}"
                 outputs.append(EmbeddingRequestOutput(request_id, EmbeddingOutput(vector), ids))

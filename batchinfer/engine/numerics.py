@@ -5,4 +5,5 @@ tokenization change that moves a single logit must bump it, so results computed 
 as if this engine had computed them. Pure Python: the store and the workers read it without torch.
 """
 
-ENGINE_NUMERICS_VERSION = 1
+# 2: the AVX-512 decode attention path (issue 34) sums q.k and the values in another order than AVX2 did.
+ENGINE_NUMERICS_VERSION = 2

@@ -115,6 +115,7 @@ class Provenance(TypedDict):
     seed: int | None
     result_cache: ResultSource
     computed_in: str  # "batch_<job id>"
+    kv_cache_dtype: NotRequired[str]  # only when not "auto": rows written before it stay valid
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ def test_embed_returns_vllm_outputs(llm: LLM) -> None:
     torch.testing.assert_close(torch.tensor([o.outputs.embedding for o in outputs]), torch.tensor(expected))
     assert outputs[0].outputs.hidden_size == len(expected[0])
     assert outputs[1].prompt_token_ids == llm.get_tokenizer()("another one").input_ids
-    with pytest.raises(ValueError, match=r"prompts\[0\]: input\[0\]: \d+ tokens exceed the model's context"):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: \d+ tokens exceed the model's context"):
         llm.embed([[5] * 100_000], use_tqdm=False)
 
 

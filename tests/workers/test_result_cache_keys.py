@@ -84,6 +84,15 @@ def test_an_auto_kv_cache_keeps_the_keys_computed_before_it_was_a_field() -> Non
     assert dataclasses.replace(IDENTITY, kv_cache_dtype="u8").key_fields()["kv_cache_dtype"] == "u8"
 
 
+def test_provenance_names_a_quantized_kv_cache_and_only_then() -> None:
+    """The estimate's forecast rebuilds a worker's identity from provenance: the KV dtype must be there."""
+    auto = IDENTITY.provenance(seed=None, source="miss", computed_in=1)
+    int8 = dataclasses.replace(IDENTITY, kv_cache_dtype="int8").provenance(seed=None, source="miss",
+                                                                           computed_in=1)
+    assert "kv_cache_dtype" not in auto
+    assert int8.get("kv_cache_dtype") == "int8"
+
+
 def test_scope_and_numerics_version_change_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
     base = _key()
     assert _key(scope="owner:b") != base and _key(scope="global") != base

@@ -6,8 +6,9 @@ only run the model. Every rank holds a slice of every weight and of the KV cache
 every step: rank 0 writes the step's flat int32 arrays into a SharedMemory buffer and sets one Event per
 worker (nano-vllm's ModelRunner design, minus the pickle). A worker has read the buffer before it joins
 the step's first collective, and rank 0 writes the next step only after the last collective of this one,
-so one buffer suffices. An embeddings input travels the same way (CMD_EMBED, its token ids): every rank
-runs the pooling forward, whose all-reduces need them all. A LoRA adapter is announced once (CMD_ADD_LORA:
+so one buffer suffices. An embeddings chunk travels the same way (CMD_EMBED, its framed inputs: count,
+lengths, token ids; tp_runner.py frames it): every rank runs the pooling forward, whose all-reduces need
+them all. A LoRA adapter is announced once (CMD_ADD_LORA:
 its id, name and path); each rank loads its share, and a step's sequences carry their adapter's id. No
 collective follows an announcement, so every rank joins one all_reduce_min_int after it (rank 0 learns
 whether all of them loaded it, and writes nothing before they have read it).
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 # Step channel commands (header word 0).
 CMD_STEP = 1
 CMD_EXIT = 2
-CMD_EMBED = 3  # one embeddings input: [cmd, 0, T, 0] then its T token ids
+CMD_EMBED = 3  # one embeddings chunk: [cmd, 0, W, 0] then W words (tp_runner.py's framed inputs)
 CMD_ADD_LORA = 4  # a LoRA adapter: [cmd, lora_int_id, n bytes, 0] then JSON [name, path] (utf-8) in words
 _META = 5  # words per scheduled sequence: computed, new, blocks, logits count, LoRA id (0: the base model)
 _HEADER = 4  # cmd, num_seqs, num_tokens, num_block_ids
@@ -211,10 +212,10 @@ class StepChannel:
         COMM_STATS.broadcast_calls += 1
 
     def send_embed(self, token_ids: list[int]) -> None:
-        """Rank 0: publish one embeddings input; every worker runs the pooling forward over it."""
+        """Rank 0: publish one embeddings chunk (framed words); every worker runs the pooling forward."""
         total = _HEADER + len(token_ids)
         if total > len(self.words):
-            raise ValueError(f"an input of {len(token_ids)} tokens needs {total} words; the step channel "
+            raise ValueError(f"an embeddings chunk of {len(token_ids)} words needs {total}; the step channel "
                              f"holds {len(self.words)}")
         self.words[:_HEADER] = (CMD_EMBED, 0, len(token_ids), 0)
         self.words[_HEADER:total] = token_ids
