@@ -14,18 +14,16 @@ from batchinfer.cli import main
 from batchinfer.config import Settings, load_settings
 from batchinfer.config_sources import ConfigError
 from batchinfer.engine.config import KV_CACHE_DTYPES
+from tests.cli.helpers import tiny_model_env
 from tests.workers.helpers import read_lines, write_requests
 
 ALLOWED = ", ".join(KV_CACHE_DTYPES)
 
 
 @pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("BATCHINFER_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("BATCHINFER_DEVICE", "cpu")
-    monkeypatch.setenv("BATCHINFER_KV_CACHE_MEMORY_BYTES", str(16 << 20))
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_llama: Path) -> Path:
     write_requests(tmp_path / "in.jsonl", 3)
-    return tmp_path
+    return tiny_model_env(monkeypatch, tmp_path, tiny_llama)
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ import json
 import jsonschema
 import pytest
 
-from batchinfer.engine.sampling.grammars import (
+from batchinfer.engine.sampling.grammars import build_grammar
+from batchinfer.engine.sampling.json_schema_support import (
     ANNOTATION_KEYWORDS,
     SUPPORTED_KEYWORDS,
     UNSUPPORTED_KEYWORDS,
-    build_grammar,
     schema_problem,
 )
 from batchinfer.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
