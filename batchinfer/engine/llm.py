@@ -9,7 +9,6 @@ prompts sharing a prefix reuse each other's KV blocks), and outputs come back in
 from __future__ import annotations
 
 import itertools
-import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -90,13 +89,7 @@ class LLM:
         _, token_ids = self._prompts(prompts)
         outputs = []
         with _progress(len(token_ids), enabled=use_tqdm, what="Embedding prompts") as advance:
-            try:
-                vectors, _ = self.engine.embed(token_ids)
-            except ValueError as exc:  # Engine.embed names input[i]: i is the prompt's index here
-                index = re.match(r"input\[(\d+)\]: ", str(exc))
-                if index is None:
-                    raise
-                raise ValueError(f"prompts[{index.group(1)}]: {str(exc)[index.end():]}") from None
+            vectors, _ = self.engine.embed(token_ids, label="prompts")
             for ids, vector in zip(token_ids, vectors, strict=True):
                 request_id = f"embed-{next(self._ids)}"
                 outputs.append(EmbeddingRequestOutput(request_id, EmbeddingOutput(vector), ids))

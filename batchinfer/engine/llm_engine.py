@@ -229,18 +229,18 @@ class Engine:
         return prompt_token_ids(self.tokenizer, prompt, vocab_size=self.vocab_size,
                                 add_special_tokens=add_special_tokens)
 
-    def embed(self, inputs: AbstractSequence[str | list[int]], *, first_index: int = 0
+    def embed(self, inputs: AbstractSequence[str | list[int]], *, first_index: int = 0, label: str = "input"
               ) -> tuple[list[list[float]], int]:
         """(each input's normalised mean-pooled embedding, tokens read); outside the generation batch.
 
         All inputs go to the runner at once: it packs them into forwards of up to max_num_batched_tokens.
 
-        first_index: the position of inputs[0] in its line (error messages name input[first_index + i]).
+        first_index: the position of inputs[0] in its line (error messages name label[first_index + i]).
         A runner that cannot pool (pipeline stages) raises ValueError naming the setting."""
         token_id_lists = [self.tokenize(text) for text in inputs]
         for i, ids in enumerate(token_id_lists, start=first_index):
             if len(ids) > self.max_model_len:
-                raise ValueError(f"input[{i}]: {len(ids)} tokens exceed the model's context "
+                raise ValueError(f"{label}[{i}]: {len(ids)} tokens exceed the model's context "
                                  f"(max_model_len={self.max_model_len}); shorten the input")
         return self.model_runner.embed(token_id_lists), sum(map(len, token_id_lists))
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from batchinfer.engine.layers import cpu_attention, quantized_attention
+from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.attention_plan import build_torch_plan
 from batchinfer.engine.layers.kv_quant import FORMATS, dequantize, quantize
 from batchinfer.engine.layers.quantized_attention import QuantizedKV, quantized_paged_attention
@@ -23,7 +23,6 @@ SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 2, 64), (6, 2, 16)]  # (head
 
 def _paths() -> list[str]:
     built = cpu_attention.set_isa("auto")
-    cpu_attention.set_isa("auto")
     order = list(cpu_attention.ISAS[1:])
     return order[: order.index(built) + 1]
 
@@ -115,7 +114,7 @@ def test_quantized_codes_match_the_dequantized_reference(name: str, shape: tuple
 
 
 @pytest.mark.parametrize("name", ["int8", "u8"])
-def test_quantized_decode_groups_equal_the_torch_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quantized_decode_groups_equal_the_torch_path(name: str) -> None:
     """A mixed step (prefills + decodes) over a quantized cache: native decode groups == gather + SDPA."""
     gen = torch.Generator().manual_seed(11)
     heads, kv_heads, head_dim, num_blocks = 9, 3, 64, 40
@@ -131,10 +130,11 @@ def test_quantized_decode_groups_equal_the_torch_path(name: str, monkeypatch: py
     tables = [list(range(i * 8, i * 8 + 5)) for i in range(len(seq_lens))]
     slots = [tables[s][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
              for s, (n, ql) in enumerate(zip(seq_lens, q_lens, strict=True)) for p in range(n - ql, n)]
-    plan = build_torch_plan(q_lens=q_lens, seq_lens=seq_lens, block_tables=tables,
-                            slot_mapping=torch.tensor(slots), block_size=BLOCK_SIZE, dtype=torch.float32,
-                            device=torch.device("cpu"))
-    assert any(g.q_len == 1 for g in plan.groups)
+    plans = {native: build_torch_plan(q_lens=q_lens, seq_lens=seq_lens, block_tables=tables,
+                                      slot_mapping=torch.tensor(slots), block_size=BLOCK_SIZE,
+                                      dtype=torch.float32, device=torch.device("cpu"), native_decode=native)
+             for native in (True, False)}
+    assert any(g.q_len == 1 for g in plans[False].groups) and plans[True].native_decode is not None
     history = torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim, generator=gen)
     tokens = len(slots)
     q = torch.randn(tokens, heads, head_dim, generator=gen)
@@ -149,6 +149,5 @@ def test_quantized_decode_groups_equal_the_torch_path(name: str, monkeypatch: py
         assert params is not None and cache.k_params is not None and cache.v_params is not None
         cache.k_params.view(-1, kv_heads, fmt.num_params).copy_(params)
         cache.v_params.view(-1, kv_heads, fmt.num_params).copy_(params)
-        monkeypatch.setattr(quantized_attention, "_native_decode", lambda c, d, on=native: on)
-        outs.append(quantized_paged_attention(q, k, v, cache, plan, head_dim**-0.5))
+        outs.append(quantized_paged_attention(q, k, v, cache, plans[native], head_dim**-0.5))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.engine.layers import cpu_attention
-from batchinfer.engine.layers.attention_plan import DenseGroup, TorchAttentionPlan
+from batchinfer.engine.layers.attention_plan import DenseGroup, TorchAttentionPlan, attend_group
 from batchinfer.engine.layers.context import get_context
 from batchinfer.engine.layers.quantized_attention import QuantizedKV, quantized_paged_attention
 
@@ -40,7 +40,6 @@ def torch_paged_attention(
     """Store k/v [T, Hkv, D] into the cache, then attend q [T, H, D]; returns [T, H, D]."""
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
     ops = cpu_attention.fused_ops_for(k_cache)
     if ops is not None and k.stride(-1) == 1 and k.stride(-2) == head_dim and v.stride(-2) == head_dim:
         ops.store_kv_(k, v, k_cache, v_cache, plan.store_slots, plan.store_rows)  # one pass, no copies
@@ -70,22 +69,9 @@ def torch_paged_attention(
         # rows).
         keys = k_blocks.index_select(0, g.block_ids).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
         values = v_blocks.index_select(0, g.block_ids).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-        queries = q.index_select(0, g.token_index)
-        if g.q_len == 1:
-            # Decode: the G query heads sharing a kv head act as G query rows, so no kv head is repeated.
-            queries = queries.view(n, num_kv_heads, group, head_dim)
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, scale=scale)
-            o = o.reshape(n, num_heads, head_dim)
-        else:
-            queries = queries.view(n, g.q_len, num_heads, head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=group > 1
-            )
-            o = o.transpose(1, 2).reshape(n * g.q_len, num_heads, head_dim)
-            if g.valid_rows is not None:
-                o = o.index_select(0, g.valid_rows)
-        out.index_copy_(0, g.out_index, o)
+        attend_group(q, keys, values, g, out, scale=scale, num_kv_heads=num_kv_heads)
     return out
+
 
 
 class Attention(nn.Module):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 # A group of sequences is padded to its longest member; a sequence joins the current group while the
 # padded work stays within this factor of the real work (or the waste is tiny), else it opens a new group.
@@ -232,3 +233,28 @@ def build_dense_groups(lengths: list[int], device: torch.device) -> list[DenseGr
     if members:
         close()
     return groups
+
+
+def attend_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: AttentionGroup,
+                 out: torch.Tensor, *, scale: float, num_kv_heads: int) -> None:
+    """One SDPA call for a group's queries over its keys / values [n, Hkv, L, D]; writes its rows of out.
+
+    Shared by the plain (attention.py) and the quantized cache (quantized_attention.py), which differ only
+    in how the group's keys and values are read."""
+    n, num_heads, head_dim = g.num_seqs, q.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
+    queries = q.index_select(0, g.token_index)
+    if g.q_len == 1:
+        # Decode: the G query heads sharing a kv head act as G query rows, so no kv head is repeated.
+        queries = queries.view(n, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, scale=scale)
+        o = o.reshape(n, num_heads, head_dim)
+    else:
+        queries = queries.view(n, g.q_len, num_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=group > 1
+        )
+        o = o.transpose(1, 2).reshape(n * g.q_len, num_heads, head_dim)
+        if g.valid_rows is not None:
+            o = o.index_select(0, g.valid_rows)
+    out.index_copy_(0, g.out_index, o)

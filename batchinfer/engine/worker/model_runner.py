@@ -120,10 +120,10 @@ class ModelRunner:
         if self.kv_format is not None and self.attention_backend != "torch":
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: needs the torch attention backend "
                              "(CPU)")
-        self.native_decode = (
-            self.attention_backend == "torch" and self.device.type == "cpu"
-            and cpu_attention.supports(self.dtype) and self.kv_format is None
-        )
+        # A quantized cache's decode tokens too, where the kernel reads its codes (int8 / u8).
+        self.native_decode = self.attention_backend == "torch" and self.device.type == "cpu" and (
+            cpu_attention.supports(self.dtype) if self.kv_format is None
+            else cpu_attention.supports_quantized(self.kv_format.storage, self.dtype))
         self.model = self._build_model()
         pack_weights(self.model, self.device, config.quantization,  # CPU: oneDNN / int8 / GGUF 4-bit kernels
                      model_path=self.model_path, max_model_len=self.max_model_len,
