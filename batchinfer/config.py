@@ -32,7 +32,7 @@ from batchinfer.config_sources import (
     read_config_file,
     sources_of,
 )
-from batchinfer.engine.config import KV_CACHE_DTYPES
+from batchinfer.engine.config import canonical_kv_cache_dtype
 from batchinfer.engine.layers.quantization import QUANTIZATIONS
 from batchinfer.engine.speculative_config import parse_speculative_config
 from batchinfer.engine_kwargs import EngineKwargs
@@ -215,10 +215,7 @@ class Settings(BaseSettings):
     @field_validator("kv_cache_dtype", mode="after")
     @classmethod
     def _check_kv_cache_dtype(cls, value: str) -> str:
-        value = "u8" if value == "uint8" else value  # EngineConfig's alias
-        if value not in KV_CACHE_DTYPES:  # refused when read, as `run` and `worker` would refuse it
-            raise ValueError(f"must be one of {', '.join(KV_CACHE_DTYPES)}")
-        return value
+        return canonical_kv_cache_dtype(value)  # refused when read, as `run` and `worker` would refuse it
 
     @field_validator("device", mode="after")
     @classmethod

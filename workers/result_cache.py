@@ -115,7 +115,7 @@ class ModelIdentity:
             "numerics": ENGINE_NUMERICS_VERSION, "model": self.model, "fingerprint": self.model_fingerprint,
             "adapter": self.adapter, "adapter_fingerprint": self.adapter_fingerprint, "dtype": self.dtype,
             "quantization": self.quantization}
-        if self.kv_cache_dtype != "auto":  # only then: the keys of results computed before stay the same
+        if self._quantized_kv_cache():
             fields["kv_cache_dtype"] = self.kv_cache_dtype
         return fields
 
@@ -128,9 +128,21 @@ class ModelIdentity:
             "model_fingerprint": self.model_fingerprint, "adapter": adapter, "dtype": self.dtype,
             "quantization": self.quantization, "seed": seed, "result_cache": source,
             "computed_in": f"batch_{computed_in}"}
-        if self.kv_cache_dtype != "auto":  # as in key_fields: the estimate's forecast reads it back
+        if self._quantized_kv_cache():  # the estimate's forecast reads it back (from_provenance)
             provenance["kv_cache_dtype"] = self.kv_cache_dtype
         return provenance
+
+    @classmethod
+    def from_provenance(cls, provenance: Provenance) -> ModelIdentity:
+        """The identity a `provenance` object records (the inverse of provenance())."""
+        adapter = provenance.get("adapter")
+        return cls(provenance["model"], provenance["model_fingerprint"], provenance["dtype"],
+                   provenance.get("quantization"), adapter["name"] if adapter else None,
+                   adapter.get("fingerprint") if adapter else None, provenance.get("kv_cache_dtype", "auto"))
+
+    def _quantized_kv_cache(self) -> bool:
+        # named only then: the keys and provenance of results computed before it existed stay the same
+        return self.kv_cache_dtype != "auto"
 
 
 def fingerprint_cache_dir() -> Path:

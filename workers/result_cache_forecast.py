@@ -45,10 +45,7 @@ def recorded_identity(session: Session, *, model: str) -> ModelIdentity | None:
             provenance = orjson.loads(text)
             adapter = provenance.get("adapter") or {}
             if model in (provenance.get("model"), adapter.get("name")):
-                found = ModelIdentity(provenance["model"], provenance["model_fingerprint"],
-                                      provenance["dtype"], provenance.get("quantization"),
-                                      adapter.get("name"), adapter.get("fingerprint"),
-                                      provenance.get("kv_cache_dtype", "auto"))
+                found = ModelIdentity.from_provenance(provenance)
                 break
         if found is not None:
             break

@@ -36,6 +36,14 @@ def canonical_dtype(value: object) -> str:
     return name
 
 
+def canonical_kv_cache_dtype(value: str) -> str:
+    """`value` as one of KV_CACHE_DTYPES ("uint8" accepted for u8); ValueError naming the valid ones."""
+    name = "u8" if value == "uint8" else value
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}; got {value!r}")
+    return name
+
+
 def check_device(value: object) -> str:
     """`value` when it names a device batchinfer runs on; ValueError listing the valid forms otherwise."""
     if not isinstance(value, str) or not _DEVICE_PATTERN.match(value):
@@ -170,11 +178,7 @@ class EngineConfig:
                              "pipeline_parallel_size=1 only (the n-gram method works at any size)")
 
     def _check_kv_cache_dtype(self) -> None:
-        if self.kv_cache_dtype == "uint8":
-            self.kv_cache_dtype = "u8"
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}; "
-                             f"got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = canonical_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_cache_dtype != "auto" and self.device.startswith("cuda"):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} runs on CPU only (the Triton kernels "
                              f"read the model dtype); got device {self.device!r}")

@@ -81,6 +81,7 @@ def test_run_flag_reaches_the_engine(env: Path, tiny_llama: Path, built_configs:
     assert [config.kv_cache_dtype for config in built_configs] == ["int8"]
     lines = read_lines(env / "out.jsonl")
     assert len(lines) == 3 and all(line["error"] is None for line in lines)
+    assert all(line["provenance"]["kv_cache_dtype"] == "int8" for line in lines)
 
 
 def test_run_setting_reaches_the_engine(env: Path, tiny_llama: Path, built_configs: list,

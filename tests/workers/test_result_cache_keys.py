@@ -93,6 +93,15 @@ def test_provenance_names_a_quantized_kv_cache_and_only_then() -> None:
     assert int8.get("kv_cache_dtype") == "int8"
 
 
+@pytest.mark.parametrize("identity", [
+    IDENTITY,
+    dataclasses.replace(IDENTITY, adapter="a", adapter_fingerprint="a" * 64, kv_cache_dtype="int8"),
+])
+def test_from_provenance_is_the_inverse_of_provenance(identity: ModelIdentity) -> None:
+    provenance = identity.provenance(seed=None, source="miss", computed_in=1)
+    assert ModelIdentity.from_provenance(provenance) == identity
+
+
 def test_scope_and_numerics_version_change_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
     base = _key()
     assert _key(scope="owner:b") != base and _key(scope="global") != base
