@@ -61,7 +61,12 @@ class TorchAttentionPlan:
 
 def _make_groups(items: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
     """Greedy grouping of (seq, q_len, num_blocks) sorted by size, bounding the padding waste."""
-    items = sorted(items, key=lambda item: (item[1], item[2]))
+    return _cut_by_waste(sorted(items, key=lambda item: (item[1], item[2])))
+
+
+def _cut_by_waste(items: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Consecutive runs of (id, q_len, num_blocks), each padded to its largest q_len x num_blocks within
+    GROUP_WASTE_FACTOR of its items' own work (or GROUP_WASTE_SLACK more), in the order given."""
     groups: list[list[tuple[int, int, int]]] = []
     current: list[tuple[int, int, int]] = []
     max_q = max_nb = actual = 0
@@ -195,14 +200,14 @@ def build_dense_groups(lengths: list[int], device: torch.device) -> list[DenseGr
     Attention work grows with length squared, so a group's padding is judged by n * max_len**2 against the
     sum of len**2 (GROUP_WASTE_FACTOR, GROUP_WASTE_SLACK as the paged groups).
     """
+    if any(size < 1 for size in lengths):
+        raise ValueError("an embeddings input needs at least one token")
     groups: list[DenseGroup] = []
-    members: list[int] = []
-    start = first = 0
-    actual = 0
-
-    def close() -> None:
-        length = max(members)
-        n = len(members)
+    first = 0  # packed row of the run's first token
+    # Dense attention work is n * length**2: the paged groups' q_len x num_blocks with both = length.
+    for run in _cut_by_waste([(i, size, size) for i, size in enumerate(lengths)]):
+        members = [size for _, size, _ in run]
+        length, n = max(members), len(members)
         token_index: list[int] = []
         valid_rows: list[int] = []
         at = first
@@ -216,22 +221,7 @@ def build_dense_groups(lengths: list[int], device: torch.device) -> list[DenseGr
             token_index=torch.tensor(token_index, dtype=torch.long, device=device) if padded else None,
             valid_rows=torch.tensor(valid_rows, dtype=torch.long, device=device) if padded else None,
         ))
-
-    for size in lengths:
-        if size < 1:
-            raise ValueError("an embeddings input needs at least one token")
-        if members:
-            new_max = max(max(members), size)
-            padded_work = (len(members) + 1) * new_max * new_max
-            new_actual = actual + size * size
-            if padded_work > GROUP_WASTE_FACTOR * new_actual and padded_work - new_actual > GROUP_WASTE_SLACK:
-                close()
-                first, members, actual = start, [], 0
-        members.append(size)
-        actual += size * size
-        start += size
-    if members:
-        close()
+        first = at
     return groups
 
 
