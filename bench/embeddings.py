@@ -16,17 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import resource
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nightly import cpu_kind  # noqa: E402  # bench/ is not a package
+from nightly import cpu_kind, timed_child  # noqa: E402  # bench/ is not a package
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = (  # noqa: SIM905  # a word list reads best as text
@@ -61,18 +58,6 @@ def write_job(path: Path, texts: list[str], model: str, per_line: int = 20) -> N
             body = {"model": model, "input": texts[i : i + per_line]}
             out.write(orjson.dumps({"custom_id": f"emb-{i // per_line:03d}", "method": "POST",
                                     "url": "/v1/embeddings", "body": body}) + b"\n")
-
-
-def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """(wall, user + system CPU seconds) of one child process; exits on its failure."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode != 0:
-        raise SystemExit(f"{cmd[:4]} failed ({done.returncode}): {done.stderr[-3000:]}")
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def transformers_child(texts_path: Path, out_path: Path, model: str, batch_size: int) -> None:
@@ -138,8 +123,8 @@ def main() -> None:
         write_job(tmp / "job.jsonl", texts, args.model, args.per_line)
         env = {**os.environ, "BATCHINFER_DATA_DIR": str(tmp / "data"), "BATCHINFER_DEFAULT_MODEL": args.model,
                "BATCHINFER_DEVICE": "cpu", "BATCHINFER_DTYPE": "float32", "PYTHONPATH": str(ROOT)}
-        wall, cpu = timed([sys.executable, "-m", "batchinfer", "run", str(tmp / "job.jsonl"), "-o",
-                           str(tmp / "out.jsonl"), "--json"], env)
+        wall, cpu, _ = timed_child([sys.executable, "-m", "batchinfer", "run", str(tmp / "job.jsonl"), "-o",
+                                    str(tmp / "out.jsonl"), "--json"], env)
         ours = torch.tensor(ours_vectors(tmp / "out.jsonl", args.per_line))
         words = sum(len(t.split()) for t in texts)
         print(f"batchinfer run   {wall:7.2f} s wall  {cpu:7.2f} s CPU  ({len(texts)} texts, {words} words: "
@@ -147,9 +132,9 @@ def main() -> None:
         if args.skip_baseline:
             return
         (tmp / "texts.json").write_bytes(orjson.dumps(texts))
-        base_wall, base_cpu = timed([sys.executable, __file__, "--model", args.model, "--batch-size",
-                                     str(args.batch_size), "--child", str(tmp / "texts.json"),
-                                     str(tmp / "base.pt")], env)
+        base_wall, base_cpu, _ = timed_child([sys.executable, __file__, "--model", args.model, "--batch-size",
+                                              str(args.batch_size), "--child", str(tmp / "texts.json"),
+                                              str(tmp / "base.pt")], env)
         base = torch.load(tmp / "base.pt")
         print(f"transformers     {base_wall:7.2f} s wall  {base_cpu:7.2f} s CPU  "
               f"({len(texts) / base_wall:.1f} texts/s, {len(texts) / max(base_cpu, 1e-9):.1f} texts/CPU-s)")

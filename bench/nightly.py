@@ -80,18 +80,23 @@ def write_night(path: Path, prompts: list[str], *, max_tokens: int, seeds: bool 
                                     "url": "/v1/chat/completions", "body": body}) + b"\n")
 
 
-def run(input_path: Path, output: Path, env: dict[str, str], *extra: str) -> Night:
-    """One `batchinfer run` of `input_path` in a fresh process."""
+def timed_child(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """(wall, user + system CPU seconds, stdout) of one child process; exits on its failure."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "batchinfer", "run", str(input_path), "-o", str(output),
-                           "--json", *extra], env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if done.returncode != 0:
-        raise SystemExit(f"batchinfer run failed ({done.returncode}): {done.stderr[-2000:]}")
-    batch = orjson.loads(done.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"{' '.join(cmd[:4])} failed ({done.returncode}): {done.stderr[-3000:]}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), done.stdout
+
+
+def run(input_path: Path, output: Path, env: dict[str, str], *extra: str) -> Night:
+    """One `batchinfer run` of `input_path` in a fresh process."""
+    wall, cpu, stdout = timed_child([sys.executable, "-m", "batchinfer", "run", str(input_path), "-o",
+                                     str(output), "--json", *extra], env)
+    batch = orjson.loads(stdout.strip().splitlines()[-1])
     lines = [orjson.loads(line) for line in output.read_bytes().splitlines() if line.strip()]
     return Night(wall, cpu, batch, lines)
 
