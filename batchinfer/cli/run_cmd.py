@@ -98,8 +98,9 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
                                  pipeline_parallel_size=pipeline_parallel_size, quantization=quantization)
     if not as_json:
         click.echo(f"loading {model} ...", err=True)
-    _check_engine(model, settings.engine_kwargs() | overrides)
-    check_adapters(settings, model, settings.engine_kwargs() | overrides, served_model_name)
+    engine_kwargs = settings.engine_kwargs() | overrides
+    _check_engine(model, engine_kwargs)
+    check_adapters(settings, model, engine_kwargs, served_model_name)
     backend = LocalBackend(settings)
     try:
         batch = backend.submit(source, model=model, shard_size=shard_size, priority=priority,

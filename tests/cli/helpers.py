@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from batchinfer.cli import main
 
@@ -15,6 +15,15 @@ def cli(*args: str) -> tuple[int, str]:
     """(exit code, output) of `batchinfer ARGS`, exceptions raised as they are."""
     result = CliRunner().invoke(main, list(args), catch_exceptions=False)
     return result.exit_code, result.output
+
+
+def invoke(*args: str) -> Result:
+    """click's Result of `batchinfer ARGS` (stdout and stderr apart, exceptions caught), with the settings
+    read afresh: the environment a test set is the one used."""
+    from batchinfer.config import get_settings
+
+    get_settings.cache_clear()
+    return CliRunner().invoke(main, list(args))
 
 
 def tiny_model_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model: Path) -> Path:

@@ -13,9 +13,8 @@ from pathlib import Path
 import orjson
 import pytest
 import sqlalchemy as sa
-from click.testing import CliRunner
 
-from batchinfer.cli import main
+from tests.cli.helpers import invoke
 from tests.workers.helpers import write_requests
 
 HUB_ID = "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -30,13 +29,6 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def _cli(*args: str):
-    from batchinfer.config import get_settings
-
-    get_settings.cache_clear()  # the environment a test set is the one read
-    return CliRunner().invoke(main, list(args))
-
-
 def _one_line(result, *needles: str) -> str:
     """The error line, after checking it is the only stderr line and names every needle."""
     lines = result.stderr.strip().splitlines()
@@ -47,7 +39,7 @@ def _one_line(result, *needles: str) -> str:
 
 
 def _jobs(env: Path) -> list[dict]:
-    result = _cli("list", "--json")
+    result = invoke("list", "--json")
     assert result.exit_code == 0, result.output
     return [orjson.loads(line) for line in result.stdout.splitlines()]
 
@@ -59,17 +51,17 @@ def _jobs(env: Path) -> list[dict]:
 def test_settings_vllm_users_type_are_refused_when_read(env: Path, monkeypatch: pytest.MonkeyPatch,
                                                         variable: str, value: str, needles: tuple[str, ...]):
     monkeypatch.setenv(variable, value)
-    shown = _cli("config", "show")  # refused as `run` would refuse them, not accepted and shown
+    shown = invoke("config", "show")  # refused as `run` would refuse them, not accepted and shown
     assert shown.exit_code == 1
     _one_line(shown, variable, *needles)
-    ran = _cli("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"))
+    ran = invoke("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"))
     assert ran.exit_code == 1
     _one_line(ran, variable)
 
 
 def test_vllm_dtype_spellings_are_accepted(env: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("BATCHINFER_DTYPE", "half")
-    shown = _cli("config", "show", "--json")
+    shown = invoke("config", "show", "--json")
     assert shown.exit_code == 0, shown.output
     assert orjson.loads(shown.stdout)["dtype"] == "float16"
 
@@ -82,7 +74,7 @@ def test_vllm_dtype_spellings_are_accepted(env: Path, monkeypatch: pytest.Monkey
 ])
 def test_run_refuses_a_model_or_engine_flag_before_creating_a_job(env: Path, args: tuple[str, ...],
                                                                   needles: tuple[str, ...]):
-    result = _cli("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"), *args)
+    result = invoke("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"), *args)
     assert result.exit_code == 1
     _one_line(result, *needles)
     assert _jobs(env) == []  # nothing left in_progress for 24 h
@@ -93,7 +85,7 @@ def test_run_on_cuda_with_a_cpu_torch_is_one_line(env: Path):
 
     if torch.version.cuda is not None:
         pytest.skip("this torch has CUDA")
-    result = _cli("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"), "--device", "cuda")
+    result = invoke("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"), "--device", "cuda")
     assert result.exit_code == 1
     _one_line(result, "'cuda'", "CPU build", "--device cpu")
     assert _jobs(env) == []
@@ -104,7 +96,7 @@ def test_a_run_whose_engine_cannot_start_fails_its_job(env: Path, tiny_llama: Pa
     shutil.copytree(tiny_llama, broken)
     for weights in broken.glob("*.safetensors"):
         weights.write_bytes(b"\0" * 64)  # config and tokenizer fine, weights unreadable
-    result = _cli("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"), "--model", str(broken))
+    result = invoke("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"), "--model", str(broken))
     assert result.exit_code == 4  # the job failed
     _one_line(result, "batch_", "failed", "the engine could not start")
     [job] = _jobs(env)
@@ -114,23 +106,23 @@ def test_a_run_whose_engine_cannot_start_fails_its_job(env: Path, tiny_llama: Pa
 def test_list_on_a_postgres_never_migrated_says_db_upgrade(env: Path, pg_url: str,
                                                            monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("BATCHINFER_DATABASE_URL", pg_url)
-    result = _cli("list")
+    result = invoke("list")
     assert result.exit_code == 1
     _one_line(result, "no batchinfer tables", "batchinfer db upgrade")
-    upgraded = _cli("db", "upgrade")
+    upgraded = invoke("db", "upgrade")
     assert upgraded.exit_code == 0, upgraded.output
-    assert _cli("list").exit_code == 0
+    assert invoke("list").exit_code == 0
 
 
 def test_a_postgres_down_or_missing_is_one_line(env: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch):
     missing = sa.make_url(pg_url).set(database="bi_no_such_database").render_as_string(hide_password=False)
     monkeypatch.setenv("BATCHINFER_DATABASE_URL", missing)
-    result = _cli("list")
+    result = invoke("list")
     assert result.exit_code == 1
     _one_line(result, "bi_no_such_database", "does not exist", "createdb")
     down = sa.make_url(pg_url).set(host="127.0.0.1", port=1).render_as_string(hide_password=False)
     monkeypatch.setenv("BATCHINFER_DATABASE_URL", down)
-    result = _cli("status", "batch_1")
+    result = invoke("status", "batch_1")
     assert result.exit_code == 1
     _one_line(result, "unreachable", "start it")
 
@@ -156,7 +148,7 @@ def test_a_sqlite_file_that_fails_is_not_called_unreachable(env: Path, monkeypat
 
 def test_submit_with_the_broker_down_is_refused_in_one_line(env: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("BATCHINFER_BROKER_URL", "redis://127.0.0.1:1/0")
-    result = _cli("submit", str(env / "in.jsonl"))
+    result = invoke("submit", str(env / "in.jsonl"))
     assert result.exit_code == 1
     _one_line(result, "broker redis://127.0.0.1:1/0 is unreachable", "BATCHINFER_BROKER_URL")
     monkeypatch.delenv("BATCHINFER_BROKER_URL")
@@ -164,7 +156,7 @@ def test_submit_with_the_broker_down_is_refused_in_one_line(env: Path, monkeypat
 
 
 def test_json_mode_errors_are_one_json_object(env: Path):
-    result = _cli("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"), "--model", HUB_ID, "--json")
+    result = invoke("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"), "--model", HUB_ID, "--json")
     assert result.exit_code == 1 and result.stdout == ""
     error = orjson.loads(result.stderr)
     assert error["exit_code"] == 1 and HUB_ID in error["error"]["message"]

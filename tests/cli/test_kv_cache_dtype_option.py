@@ -8,13 +8,11 @@ import signal
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from batchinfer.cli import main
 from batchinfer.config import Settings, load_settings
 from batchinfer.config_sources import ConfigError
 from batchinfer.engine.config import KV_CACHE_DTYPES
-from tests.cli.helpers import tiny_model_env
+from tests.cli.helpers import invoke, tiny_model_env
 from tests.workers.helpers import read_lines, write_requests
 
 ALLOWED = ", ".join(KV_CACHE_DTYPES)
@@ -43,13 +41,6 @@ def built_configs(monkeypatch: pytest.MonkeyPatch) -> list:
     return seen
 
 
-def _cli(*args: str):
-    from batchinfer.config import get_settings
-
-    get_settings.cache_clear()  # the environment a test set is the one read
-    return CliRunner().invoke(main, list(args))
-
-
 def test_the_setting_reaches_the_engine_kwargs():
     assert Settings().engine_kwargs()["kv_cache_dtype"] == "auto"
     assert Settings(kv_cache_dtype="int8").engine_kwargs()["kv_cache_dtype"] == "int8"
@@ -60,7 +51,7 @@ def test_an_invalid_setting_names_it_and_the_choices(monkeypatch: pytest.MonkeyP
     with pytest.raises(ConfigError, match=f"kv_cache_dtype = 'int4' .*must be one of {ALLOWED}"):
         load_settings(kv_cache_dtype="int4")
     monkeypatch.setenv("BATCHINFER_KV_CACHE_DTYPE", "fp16")
-    shown = _cli("config", "show")
+    shown = invoke("config", "show")
     assert shown.exit_code == 1
     assert "BATCHINFER_KV_CACHE_DTYPE" in shown.stderr and ALLOWED in shown.stderr, shown.stderr
 
@@ -68,14 +59,14 @@ def test_an_invalid_setting_names_it_and_the_choices(monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize("command", ["run", "worker"])
 def test_an_invalid_flag_names_it_and_the_choices(env: Path, command: str):
     args = [str(env / "in.jsonl"), "-o", str(env / "out.jsonl")] if command == "run" else []
-    result = _cli(command, *args, "--kv-cache-dtype", "int4")
+    result = invoke(command, *args, "--kv-cache-dtype", "int4")
     assert result.exit_code == 2  # click's usage error, before anything runs
     assert "--kv-cache-dtype" in result.stderr and "'int4'" in result.stderr
     assert all(f"'{choice}'" in result.stderr for choice in KV_CACHE_DTYPES), result.stderr
 
 
 def test_run_flag_reaches_the_engine(env: Path, tiny_llama: Path, built_configs: list):
-    result = _cli("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"), "--model", str(tiny_llama),
+    result = invoke("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"), "--model", str(tiny_llama),
                   "--kv-cache-dtype", "int8")
     assert result.exit_code == 0, result.output
     assert [config.kv_cache_dtype for config in built_configs] == ["int8"]
@@ -87,7 +78,7 @@ def test_run_flag_reaches_the_engine(env: Path, tiny_llama: Path, built_configs:
 def test_run_setting_reaches_the_engine(env: Path, tiny_llama: Path, built_configs: list,
                                         monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("BATCHINFER_KV_CACHE_DTYPE", "u8")
-    result = _cli("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"), "--model", str(tiny_llama))
+    result = invoke("run", str(env / "in.jsonl"), "-o", str(env / "out.jsonl"), "--model", str(tiny_llama))
     assert result.exit_code == 0, result.output
     assert [config.kv_cache_dtype for config in built_configs] == ["u8"]
 
@@ -101,7 +92,7 @@ def test_worker_flag_reaches_the_engine(env: Path, tiny_llama: Path, built_confi
         monkeypatch.setattr(process, name, getattr(process, name))  # the command sets them: restored after
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
-        result = _cli("worker", "--model", str(tiny_llama), "--kv-cache-dtype", "fp8_e4m3", "--json")
+        result = invoke("worker", "--model", str(tiny_llama), "--kv-cache-dtype", "fp8_e4m3", "--json")
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
