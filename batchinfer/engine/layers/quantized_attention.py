@@ -6,8 +6,9 @@ attention.torch_paged_attention does over an unquantized cache (same plan, same 
 
 Decode tokens over int8 / u8 codes go to the native kernel instead, as over a plain cache: the runner asks
 the plan for them (ModelRunner.native_decode) and cpu_attention.paged_decode_attention_quantized (issue 34)
-reads the codes and params straight from the blocks and dequantizes in registers, so the quantized cache reads half the bytes of a bf16 one where the
-gather + dequantize + SDPA path wrote and read a dequantized copy (2.9-4.9x slower than a bf16 cache).
+reads the codes and params straight from the blocks and dequantizes in registers, so the quantized cache
+reads half the bytes of a bf16 one where the gather + dequantize + SDPA path wrote and read a dequantized
+copy (2.9-4.9x slower than a bf16 cache).
 """
 
 from __future__ import annotations
