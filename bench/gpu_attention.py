@@ -31,7 +31,7 @@ if SMOKE:
 from triton.testing import do_bench  # noqa: E402
 
 # The module itself: the name kernels.paged_attention is the function.
-pa = importlib.import_module("kernels.paged_attention")
+pa = importlib.import_module("batchinfer.kernels.paged_attention")
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 DEVICE = "cpu" if SMOKE else "cuda"

@@ -226,7 +226,7 @@ def test_every_batchinfer_variable_read_in_the_code_is_known() -> None:
     root = Path(__file__).resolve().parents[2]
     known = {ENV_PREFIX + name.upper() for name in Settings.model_fields} | OTHER_ENV_VARS
     seen: set[str] = set()
-    for folder in ("batchinfer", "workers", "kernels", "bench", "docker", "examples", ".ci"):
+    for folder in ("batchinfer", "workers", "bench", "docker", "examples", ".ci"):
         for path in (root / folder).rglob("*"):
             if path.is_file() and path.suffix in {"", ".py", ".sh", ".yml", ".yaml", ".toml"}:
                 seen |= set(re.findall(r"BATCHINFER_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="ignore")))

@@ -92,7 +92,7 @@ def test_dockerignore_keeps_the_venv_out_and_what_the_image_copies_in() -> None:
     assert copied  # every COPY source reaches the build
     for source in copied:
         assert not _ignored(source, rules), source
-    for path in ("batchinfer/cli/__init__.py", "migrations/env.py", "kernels/__init__.py"):
+    for path in ("batchinfer/cli/__init__.py", "migrations/env.py", "batchinfer/kernels/__init__.py"):
         assert not _ignored(path, rules), path
 
 

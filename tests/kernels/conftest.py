@@ -1,9 +1,10 @@
 """Kernel tests run on CPU through Triton's interpreter (small shapes) or on CUDA compiled (full size).
 
-Triton decides interpreter vs compiler once per process, when it is imported (see kernels/_device.py),
-so without a GPU TRITON_INTERPRET=1 is set here, before anything below imports triton. In a whole-suite
-run some earlier test module may import `kernels` (and so triton) first: set TRITON_INTERPRET=1 in the
-environment then (the cpu cases fail with that advice otherwise).
+Triton decides interpreter vs compiler once per process, when it is imported (see
+batchinfer/kernels/_device.py), so without a GPU TRITON_INTERPRET=1 is set here, before anything below
+imports triton. In a whole-suite run some earlier test module may import `batchinfer.kernels` (and so
+triton) first: set TRITON_INTERPRET=1 in the environment then (the cpu cases fail with that advice
+otherwise).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ if not HAS_CUDA:
 def device(request: pytest.FixtureRequest) -> torch.device:
     """cpu: the interpreter on small shapes (CPU-only machines); cuda: compiled kernels, full-size shapes."""
     pytest.importorskip("triton")
-    from kernels._device import INTERPRETED
+    from batchinfer.kernels._device import INTERPRETED
 
     if request.param == "cuda":
         if not HAS_CUDA:

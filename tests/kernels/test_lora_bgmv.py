@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import lora_bgmv_ref
+from batchinfer.kernels.reference import lora_bgmv_ref
 
 
 def _case(tokens: int, in_features: int, out_features: int, rank: int, slots: int, dtype, device, seed=0):
@@ -41,7 +41,7 @@ def test_reference_equals_the_engine_segments() -> None:
 
 @pytest.mark.parametrize(("in_features", "out_features", "rank"), [(64, 96, 8), (96, 40, 24)])
 def test_kernel_matches_reference(device, in_features, out_features, rank) -> None:
-    from kernels import lora_bgmv
+    from batchinfer.kernels import lora_bgmv
 
     dtypes = [torch.float32] if device.type == "cpu" else [torch.float32, torch.bfloat16]
     tokens = 7 if device.type == "cpu" else 300
@@ -56,7 +56,7 @@ def test_kernel_matches_reference(device, in_features, out_features, rank) -> No
 
 
 def test_kernel_checks_shapes(device) -> None:
-    from kernels import lora_bgmv
+    from batchinfer.kernels import lora_bgmv
 
     x, out, a, b, slot_index = _case(4, 16, 8, 4, 2, torch.float32, device)
     with pytest.raises(ValueError, match="do not fit"):

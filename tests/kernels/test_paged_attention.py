@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import paged_attention_ref, store_kvcache_ref
+from batchinfer.kernels.reference import paged_attention_ref, store_kvcache_ref
 
 # Kernel vs its float32 twin, by activation dtype (the kernel feeds tl.dot in that dtype).
 TOLERANCE = {
@@ -142,7 +142,7 @@ def test_reference_writes_into_out() -> None:
 
 
 def _run_both(b: Batch, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    from kernels import paged_attention
+    from batchinfer.kernels import paged_attention
 
     scale = b.q.shape[-1] ** -0.5
     got = paged_attention(b.q, b.k_cache, b.v_cache, **b.metadata(), scale=scale, **kwargs)
@@ -196,7 +196,7 @@ def test_decode_step_matches_reference(device, num_splits, block_size, group, he
 @pytest.mark.parametrize(("block_m", "block_n", "num_splits"), [(64, 64, 1), (128, 32, 2), (16, 16, 3)])
 def test_explicit_launch_configs(device, block_m, block_n, num_splits) -> None:
     """The 16-bit prefill tiles (and the sweeps of bench/gpu_attention.py) on the interpreter's float32."""
-    pa = importlib.import_module("kernels.paged_attention")
+    pa = importlib.import_module("batchinfer.kernels.paged_attention")
     q_lens, cached = mixed_step(device)
     b = make_batch(q_lens, cached, block_size=16, num_kv_heads=2, group=4, head_dim=128, device=device)
     scale = 128**-0.5
@@ -237,7 +237,7 @@ def test_odd_head_dim_and_out_buffer(device) -> None:
 
 
 def test_rejects_bad_inputs(device) -> None:
-    from kernels import paged_attention
+    from batchinfer.kernels import paged_attention
 
     b = make_batch([2], [3], block_size=16, num_kv_heads=1, group=1, head_dim=64, device=device)
     with pytest.raises(ValueError, match="block_tables must be int32"):
@@ -252,7 +252,7 @@ def test_rejects_bad_inputs(device) -> None:
 
 def test_cpu_tensors_without_interpreter_get_a_clear_error(monkeypatch) -> None:
     pytest.importorskip("triton")
-    from kernels import _device, paged_attention
+    from batchinfer.kernels import _device, paged_attention
 
     monkeypatch.setattr(_device, "INTERPRETED", False)
     b = make_batch([2], [3], block_size=16, num_kv_heads=1, group=1, head_dim=64)
@@ -268,7 +268,7 @@ class NoTriton:
         if name.split(".")[0] == "triton":
             raise ImportError("triton is not installed")
 sys.meta_path.insert(0, NoTriton())
-import kernels
+from batchinfer import kernels
 assert not kernels.TRITON_AVAILABLE and callable(kernels.paged_attention_ref)
 try:
     kernels.paged_attention(None, None, None)
@@ -278,7 +278,7 @@ except ImportError as exc:
     proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "needs the `triton` package; use kernels.paged_attention_ref" in proc.stdout
+    assert "needs the `triton` package; use batchinfer.kernels.paged_attention_ref" in proc.stdout
 
 
 # ------------------------------------------------------------------ compiling for the GPU, without one
@@ -317,10 +317,10 @@ def _compile_for_hopper(kernel, args: tuple, kwargs: dict):
 
 def compile_all_for_hopper() -> list[dict]:
     """Run each kernel's public function on CPU tensors with launches recorded, then compile every launch."""
-    from kernels import _device
+    from batchinfer.kernels import _device
 
     assert not _device.INTERPRETED, "run without TRITON_INTERPRET"
-    modules = {name: importlib.import_module(f"kernels.{name}") for name in
+    modules = {name: importlib.import_module(f"batchinfer.kernels.{name}") for name in
                ("paged_attention", "store_kvcache", "rmsnorm")}
     launches = []
 
@@ -376,7 +376,7 @@ def test_kernels_compile_for_hopper() -> None:
 
 def test_split_heuristic() -> None:
     pytest.importorskip("triton")
-    from kernels.paged_attention import MIN_KEYS_PER_SPLIT, choose_config
+    from batchinfer.kernels.paged_attention import MIN_KEYS_PER_SPLIT, choose_config
 
     def splits(num_seqs: int, max_k: int, max_q: int = 1, tokens: int | None = None) -> int:
         config = choose_config(num_tokens=tokens or num_seqs, num_seqs=num_seqs, num_kv_heads=8, group=4,

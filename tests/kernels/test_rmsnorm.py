@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import rms_norm_ref
+from batchinfer.kernels.reference import rms_norm_ref
 
 TOLERANCE = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
@@ -34,7 +34,7 @@ def test_reference_matches_hf_llama_rmsnorm(dtype) -> None:
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("hidden", [64, 96, 4096])
 def test_kernel_matches_reference(device, with_residual, hidden) -> None:
-    from kernels import rms_norm
+    from batchinfer.kernels import rms_norm
 
     dtypes = [torch.float32] if device.type == "cpu" else [torch.float32, torch.float16, torch.bfloat16]
     rows = (3, 5) if device.type == "cpu" else (64, 129)
@@ -53,7 +53,7 @@ def test_kernel_matches_reference(device, with_residual, hidden) -> None:
 
 
 def test_rejects_mismatched_weight(device) -> None:
-    from kernels import rms_norm
+    from batchinfer.kernels import rms_norm
 
     x = torch.randn(2, 64, device=device)
     with pytest.raises(ValueError, match=r"weight must have shape \[64\]"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import store_kvcache_ref
+from batchinfer.kernels.reference import store_kvcache_ref
 
 
 def _case(num_tokens: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -39,7 +39,7 @@ def test_reference_matches_a_token_loop() -> None:
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(1, 64), (2, 128), (8, 128), (3, 80)])
 def test_kernel_matches_reference(device, slot_dtype, block_size, num_kv_heads, head_dim) -> None:
-    from kernels import store_kvcache
+    from batchinfer.kernels import store_kvcache
 
     num_tokens, num_blocks = (24, 4) if device.type == "cpu" else (3000, 400)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -53,7 +53,7 @@ def test_kernel_matches_reference(device, slot_dtype, block_size, num_kv_heads, 
 
 
 def test_rejects_bad_inputs(device) -> None:
-    from kernels import store_kvcache
+    from batchinfer.kernels import store_kvcache
 
     key, value, k_cache, v_cache, slots = _case(6, 2, 16, 2, 64, device=device)
     with pytest.raises(ValueError, match="slot_mapping must be int32/int64"):

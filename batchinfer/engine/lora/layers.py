@@ -89,7 +89,7 @@ class LoRABatch:
             stacks = self.kernel.stacks.get(self.kernel.adapters, module_key)
             if stacks is None:
                 return out
-            from kernels import lora_bgmv
+            from batchinfer.kernels import lora_bgmv
 
             return lora_bgmv(x, out, stacks[0], stacks[1], self.kernel.slot_index)
         for segment in self.segments:

@@ -92,6 +92,6 @@ class LoRAManager:
 
 
 def _triton_available() -> bool:
-    import kernels
+    from batchinfer import kernels
 
     return kernels.TRITON_AVAILABLE

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._device import check_device
+from batchinfer.kernels._device import check_device
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (partials + merge) outweighs the parallelism
 MAX_SPLITS = 16

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._device import check_device
+from batchinfer.kernels._device import check_device
 
 
 @triton.jit

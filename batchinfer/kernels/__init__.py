@@ -1,10 +1,10 @@
 """Triton kernels of the engine's CUDA path, and their pure-torch twins (suffix _ref).
 
-`import kernels` works without triton installed; only the _ref functions are usable then. The Triton
-kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
+`import batchinfer.kernels` works without triton installed; only the _ref functions are usable then. The
+Triton kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
 """
 
-from kernels.reference import lora_bgmv_ref, paged_attention_ref, rms_norm_ref, store_kvcache_ref
+from batchinfer.kernels.reference import lora_bgmv_ref, paged_attention_ref, rms_norm_ref, store_kvcache_ref
 
 try:
     import triton  # noqa: F401
@@ -14,7 +14,8 @@ except ImportError as _exc:  # CPU-only install: keep the twins importable, fail
 
     def _needs_triton(name: str):
         def stub(*args, **kwargs):
-            message = f"kernels.{name} needs the `triton` package; use kernels.{name}_ref on CPU"
+            message = (f"batchinfer.kernels.{name} needs the `triton` package; "
+                       f"use batchinfer.kernels.{name}_ref on CPU")
             raise ImportError(message) from _missing_triton
 
         stub.__name__ = name
@@ -26,10 +27,10 @@ except ImportError as _exc:  # CPU-only install: keep the twins importable, fail
     store_kvcache = _needs_triton("store_kvcache")
 else:
     TRITON_AVAILABLE = True
-    from kernels.lora import lora_bgmv
-    from kernels.paged_attention import paged_attention
-    from kernels.rmsnorm import rms_norm
-    from kernels.store_kvcache import store_kvcache
+    from batchinfer.kernels.lora import lora_bgmv
+    from batchinfer.kernels.paged_attention import paged_attention
+    from batchinfer.kernels.rmsnorm import rms_norm
+    from batchinfer.kernels.store_kvcache import store_kvcache
 
 __all__ = [
     "TRITON_AVAILABLE",
