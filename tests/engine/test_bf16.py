@@ -13,7 +13,7 @@ import torch
 
 from batchinfer.engine.config import EngineConfig, cpu_has_native_bf16
 from batchinfer.engine.layers import cpu_attention
-from batchinfer.engine.layers.weight_packing import onednn_supports
+from batchinfer.engine.layers.weight_packing import OneDnnLinear, onednn_supports
 from tests.engine.test_models import FakeSeq, ScatteredBlocks, make_runner, random_tokens, run_step
 
 needs_kernel = pytest.mark.skipif(cpu_attention.load() is None, reason="native CPU kernel not built here")
@@ -99,15 +99,31 @@ def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_it(tiny_llama: Path) -> No
     assert EngineConfig(model="m", device="cpu", dtype="float32").resolved_dtype() == torch.float32
 
 
-def test_bf16_linear_layers_are_prepacked_where_onednn_runs_bf16(tiny_llama: Path) -> None:
-    """With oneDNN bf16 (AVX-512), every linear and the head are prepacked and the linears' dense weights
-    released; without it (an AVX2-only CPU) they keep their dense weights and run F.linear."""
+def test_bf16_linear_layers_are_prepacked_with_or_without_onednn_bf16(tiny_llama: Path) -> None:
+    """Every linear and the head are prepacked and the linears' dense weights released: in bf16 where oneDNN
+    runs bf16 GEMMs (AVX-512), else (an AVX2-only CPU) as the widened fp32 weight of oneDNN's fp32 GEMM."""
     runner = make_runner(tiny_llama, dtype="bfloat16")
     layer = runner.model.model.layers[0]
     assert runner.model.lm_head.weight.numel() > 0  # the head's matrix stays (it may be the embedding)
-    if onednn_supports(torch.bfloat16):
-        assert layer.self_attn.qkv_proj.packed is not None and runner.model.lm_head.packed is not None
-        assert layer.mlp.down_proj.weight.numel() == 0
-    else:
-        assert layer.self_attn.qkv_proj.packed is None and runner.model.lm_head.packed is None
-        assert layer.mlp.down_proj.weight.dtype == torch.bfloat16 and layer.mlp.down_proj.weight.numel() > 0
+    qkv, head = layer.self_attn.qkv_proj.packed, runner.model.lm_head.packed
+    assert isinstance(qkv, OneDnnLinear) and isinstance(head, OneDnnLinear)
+    assert layer.mlp.down_proj.weight.numel() == 0
+    packed_dtype = torch.bfloat16 if onednn_supports(torch.bfloat16) else torch.float32
+    assert qkv.packed.dtype == head.packed.dtype == packed_dtype
+
+
+def test_widened_bf16_gemm_is_the_bf16_gemm_up_to_summation_order() -> None:
+    """bf16 x bf16 products are exact in float32, so the fp32 GEMM over widened values, rounded once, is
+    what a bf16 GEMM accumulating in float32 gives; against the float64 product it is off by at most
+    bf16's rounding of the output."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(96, generator=gen).to(torch.bfloat16)
+    x = torch.randn(7, 64, generator=gen).to(torch.bfloat16)
+    out = OneDnnLinear(weight, bias, compute_dtype=torch.float32)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (7, 96)
+    exact = x.double() @ weight.double().T + bias.double()
+    assert torch.equal(out, exact.float().to(torch.bfloat16)) or \
+        ((out.double() - exact).abs() <= exact.abs() * 2.0 ** -7 + 1e-6).all()
+    assert ((out.float() - torch.nn.functional.linear(x, weight, bias).float()).abs()
+            <= exact.abs().float() * 2.0 ** -7 + 1e-3).all()  # the plain bf16 F.linear agrees within an ulp

@@ -11,11 +11,14 @@ from workers.duties import Duty, control_duties, start_duties, worker_duties
 
 
 def test_each_duty_runs_at_its_interval_and_a_failing_one_does_not_stop_the_others() -> None:
-    runs = {"fast": 0, "slow": 0, "broken": 0}
+    runs: dict[str, list[float]] = {"fast": [], "slow": [], "broken": []}
+    slow_ran_thrice = threading.Event()
 
     def counter(name: str, fail: bool = False):  # noqa: ANN202
         def run() -> None:
-            runs[name] += 1
+            runs[name].append(time.monotonic())
+            if name == "slow" and len(runs[name]) == 3:
+                slow_ran_thrice.set()
             if fail:
                 raise RuntimeError("database away")
         return run
@@ -23,12 +26,14 @@ def test_each_duty_runs_at_its_interval_and_a_failing_one_does_not_stop_the_othe
     stop = threading.Event()
     thread = start_duties([Duty("fast", 0.05, counter("fast")), Duty("slow", 0.3, counter("slow")),
                            Duty("broken", 0.05, counter("broken", fail=True))], stop=stop)
-    time.sleep(0.7)
+    assert slow_ran_thrice.wait(timeout=30)  # bounded by the event, not by a guess at the machine's speed
     stop.set()
-    thread.join(timeout=2)
+    thread.join(timeout=5)
     assert not thread.is_alive()
-    assert runs["fast"] >= 6 and runs["broken"] >= 6  # the failures did not end the loop
-    assert 2 <= runs["slow"] <= 4  # at once, then every 0.3 s
+    assert len(runs["broken"]) >= 3 and len(runs["fast"]) >= 3  # the failures did not end the loop
+    slow = runs["slow"]
+    assert all(later - earlier >= 0.29 for earlier, later in zip(slow, slow[1:]))  # at once, then every 0.3 s
+    assert len(runs["fast"]) > len(slow)  # the short interval ran more often
 
 
 def test_an_aligned_duty_runs_at_wall_clock_multiples_of_its_interval() -> None:

@@ -53,11 +53,9 @@ class QuantizationFormat:
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, per_token: bool) -> LinearFn | None:
         """The CPU kernel of one linear (x -> x @ W.T + bias), or None to keep F.linear."""
-        from batchinfer.engine.layers.weight_packing import cpu_linear_mode, onednn_linear, onednn_supports
+        from batchinfer.engine.layers.weight_packing import cpu_linear_mode, onednn_linear
 
-        if onednn_supports(weight.dtype) and cpu_linear_mode() == "onednn":
-            return onednn_linear(weight, bias)
-        return None
+        return onednn_linear(weight, bias) if cpu_linear_mode() == "onednn" else None
 
     def pack_linears(self, model: nn.Module,
                      already_packed: set[nn.Module] | frozenset[nn.Module] = frozenset()) -> int:

@@ -15,7 +15,9 @@ is int8 too (about 1% of that delta).
 
 pack_linears(model, kernels) sets each LinearBase / ParallelLMHead's `packed` callable (x -> y with its
 bias), the kernel the weight format chooses (layers/quantization.py: dense, int8, gguf); the modules fall
-back to F.linear when it is None (CUDA, float16, bf16 on a CPU without AVX-512, BATCHINFER_CPU_LINEAR=aten).
+back to F.linear when it is None (CUDA, float16, BATCHINFER_CPU_LINEAR=aten). bf16 on a CPU whose oneDNN
+has no bf16 GEMM (AVX2-only) runs oneDNN's fp32 GEMM over the widened weight (OneDnnLinear): plain bf16
+F.linear there ran SmolLM2 at 0.19x OpenVINO's default (49 tok/s against fp32's 223 on the AVX2 machine).
 The dense weight of a packed linear is released (the LM head's stays: it may be the tied embedding).
 """
 
@@ -43,22 +45,39 @@ class OneDnnLinear:
     """x -> x @ weight.T + bias through oneDNN with the weight reordered once into its blocked layout.
 
     A class rather than a closure so that worker/native_step.py can hand the packed weight to the C++
-    decoder stack (the same GEMM, called without Python).
+    decoder stack (the same GEMM, called without Python). compute_dtype float32 over a bf16 weight is
+    bf16 on a CPU whose oneDNN has no bf16 GEMM (AVX2-only): the weight is widened once (exactly: a bf16
+    is the high half of a float32), x is widened per call and the output rounded back to x's dtype. A
+    product of two bf16 values is exact in float32 and oneDNN's bf16 GEMM accumulates in float32 too, so
+    this is that GEMM (up to summation order) at fp32 GEMM speed, with the weight at twice bf16's size.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self.bias = None if bias is None else bias.detach()
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        dtype = weight.dtype if compute_dtype is None else compute_dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), None)
+        self.bias = None if bias is None else bias.detach().to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:  # the engine's activations are [T, features]; keep any other caller working
             return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        if x.dtype != self.packed.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x.to(self.packed.dtype), self.packed, self.bias, "none",
+                                                      [], "").to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn:
-    """x -> x @ weight.T + bias through oneDNN's prepacked GEMM (OneDnnLinear)."""
-    return OneDnnLinear(weight, bias)
+def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:
+    """x -> x @ weight.T + bias through oneDNN's prepacked GEMM (OneDnnLinear), or None where it cannot.
+
+    bf16 where oneDNN has no bf16 GEMM runs as widened fp32 (OneDnnLinear's compute_dtype); other
+    dtypes oneDNN does not run here (float16) keep F.linear.
+    """
+    if onednn_supports(weight.dtype):
+        return OneDnnLinear(weight, bias)
+    if weight.dtype == torch.bfloat16 and onednn_supports(torch.float32):
+        return OneDnnLinear(weight, bias, compute_dtype=torch.float32)
+    return None
 
 
 class Int8Linear:

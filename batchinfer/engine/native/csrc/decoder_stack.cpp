@@ -26,7 +26,8 @@ enum LinearKind : int64_t { kAtenLinear = 0, kOneDnnLinear = 1, kInt8Linear = 2 
 
 struct NativeLinear {
   int64_t kind = kAtenLinear;
-  torch::Tensor weight;                // aten: the dense [N, K] weight; oneDNN: the prepacked weight
+  torch::Tensor weight;                // aten: the dense [N, K] weight; oneDNN: the prepacked weight (float32
+                                       // under bf16 activations where oneDNN has no bf16 GEMM)
   c10::optional<torch::Tensor> bias;   // aten / oneDNN: in the GEMM; int8 per token: added after rescaling
   c10::IValue packed;                  // int8: fbgemm's LinearPackedParamsBase (its bias inside, per tensor)
   bool per_token = false;              // int8: each row scaled to max 1 around the GEMM
@@ -36,12 +37,16 @@ struct NativeLinear {
 torch::Tensor run_linear(const NativeLinear& l, const torch::Tensor& x) {
   if (l.kind == kOneDnnLinear) {
     static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-    torch::jit::Stack stack{x, l.weight, l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue(),
+    // A float32 weight under bf16 activations: bf16 where oneDNN has no bf16 GEMM (weight_packing's
+    // OneDnnLinear compute_dtype): widen x, run the fp32 GEMM, round the output back.
+    const bool widen = x.scalar_type() != l.weight.scalar_type();
+    torch::jit::Stack stack{widen ? x.to(l.weight.scalar_type()) : x, l.weight,
+                            l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue(),
                             c10::IValue(std::string("none")),
                             c10::IValue(c10::List<c10::optional<at::Scalar>>()),
                             c10::IValue(std::string(""))};
     op.callBoxed(&stack);
-    return stack[0].toTensor();
+    return widen ? stack[0].toTensor().to(x.scalar_type()) : stack[0].toTensor();
   }
   if (l.kind == kInt8Linear) {
     static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
