@@ -23,7 +23,8 @@ from batchinfer.store.db import end_transaction
 from batchinfer.store.models import Job, Request, RequestStatus, ResultBody, request_id_for
 from batchinfer.store.shards import PendingRequest
 from batchinfer.wire.request import NormalizedRequest, decode_stored, encode_stored
-from workers.result_cache import ModelIdentity, cache_scope, request_key
+from workers.model_identity import ModelIdentity
+from workers.result_cache import cache_scope, request_key
 
 RECENT_JOBS = 20  # the model's newest jobs searched for a recorded identity
 LOOKUP_BATCH = 500

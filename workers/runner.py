@@ -40,7 +40,8 @@ from workers.embedding_queue import EmbeddingQueue
 from workers.engine_prompts import engine_prompt, prompt_text
 from workers.lease_keeper import LeaseKeeper
 from workers.metrics import WorkerMetrics, inflight_report
-from workers.result_cache import ResultCache, prefix_cache_salt, runner_identity
+from workers.model_identity import runner_identity
+from workers.result_cache import ResultCache, prefix_cache_salt
 from workers.result_rows import error_row, result_row
 
 if TYPE_CHECKING:

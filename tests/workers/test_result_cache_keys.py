@@ -1,6 +1,7 @@
 """The result-cache key (workers/result_cache.py): changing any single field that decides an output gives
 another key (one case per field, so dropping a field from the key fails its case); only deterministic
-requests have a key; the model fingerprint follows the model's files and is cached on disk."""
+requests have a key; the model fingerprint (workers/model_identity.py) follows the model's files and is
+cached on disk."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 
 from batchinfer.engine.sampling_params import _DEFAULTS, SamplingParams
 from batchinfer.store.shards import PendingRequest
-from workers import result_cache
-from workers.result_cache import ModelIdentity, fingerprint_dir, request_key
+from workers import model_identity
+from workers.model_identity import ModelIdentity, fingerprint_dir
+from workers.result_cache import request_key
 
 IDENTITY = ModelIdentity(model="m", model_fingerprint="f" * 64, dtype="float32", quantization=None)
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -105,7 +107,7 @@ def test_from_provenance_is_the_inverse_of_provenance(identity: ModelIdentity) -
 def test_scope_and_numerics_version_change_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
     base = _key()
     assert _key(scope="owner:b") != base and _key(scope="global") != base
-    monkeypatch.setattr(result_cache, "ENGINE_NUMERICS_VERSION", result_cache.ENGINE_NUMERICS_VERSION + 1)
+    monkeypatch.setattr(model_identity, "ENGINE_NUMERICS_VERSION", model_identity.ENGINE_NUMERICS_VERSION + 1)
     assert _key() != base
 
 
