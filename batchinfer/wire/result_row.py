@@ -104,7 +104,7 @@ class AdapterInfo(TypedDict):
 
 
 class Provenance(TypedDict):
-    """An output line's `provenance` object (workers/result_cache.ModelIdentity.provenance)."""
+    """An output line's `provenance` object (workers/model_identity.ModelIdentity.provenance)."""
 
     engine: EngineInfo
     model: str
