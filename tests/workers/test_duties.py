@@ -32,7 +32,8 @@ def test_each_duty_runs_at_its_interval_and_a_failing_one_does_not_stop_the_othe
     assert not thread.is_alive()
     assert len(runs["broken"]) >= 3 and len(runs["fast"]) >= 3  # the failures did not end the loop
     slow = runs["slow"]
-    assert all(later - earlier >= 0.29 for earlier, later in zip(slow, slow[1:], strict=False))  # at once, then every 0.3 s
+    # at once, then every 0.3 s
+    assert all(later - earlier >= 0.29 for earlier, later in zip(slow, slow[1:], strict=False))
     assert len(runs["fast"]) > len(slow)  # the short interval ran more often
 
 
