@@ -18,7 +18,10 @@ pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="native CPU
 
 BLOCK_SIZE = 16
 SEQ_LENS = [1, 15, 16, 17, 33, 95]  # one row, a block minus/exactly/plus one, odd lengths
-SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 2, 64), (6, 2, 16)]  # (heads, kv heads, head_dim)
+# (heads, kv heads, head_dim): G = 1 and G > 1 at D = 64 and 128 (G = 3, 5, 7, 8: the AVX2 path's value tiles
+# of up to 4 heads and their remainders), and D = 16 (the portable loops only)
+SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 64), (2, 2, 128), (10, 2, 128), (14, 2, 64), (16, 2, 64),
+          (6, 2, 16)]
 
 
 def _paths() -> list[str]:
@@ -57,6 +60,41 @@ def _case(heads: int, kv_heads: int, head_dim: int, seed: int):
     return q, k, v, tables, torch.tensor(SEQ_LENS, dtype=torch.int32)
 
 
+def _quantized(k: torch.Tensor, v: torch.Tensor, name: str):
+    """(k codes, v codes, k params, v params) of a [NB, BS, Hkv, D] cache in kv_quant's format `name`."""
+    fmt = FORMATS[name]
+    (kc, kp), (vc, vp) = quantize(k.flatten(0, 1), fmt), quantize(v.flatten(0, 1), fmt)
+    assert kp is not None and vp is not None
+    params_shape = (*k.shape[:3], fmt.num_params)
+    return (kc.view(k.shape), vc.view(k.shape), kp.reshape(params_shape).contiguous(),
+            vp.reshape(params_shape).contiguous())
+
+
+@pytest.mark.parametrize("cache", ["fp32", "bf16", "int8", "u8"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_path_matches_the_portable_loops(cache: str, shape: tuple[int, int, int]) -> None:
+    """Each SIMD path (AVX2 for every cache type, AVX-512 where built) equals item_generic's output."""
+    q, k, v, tables, lens = _case(*shape, seed=5)
+    if cache == "bf16":
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    scale = shape[2] ** -0.5
+
+    def attend(path: str) -> torch.Tensor:
+        cpu_attention.set_isa(path)
+        out = torch.empty_like(q)
+        if cache in ("fp32", "bf16"):
+            return cpu_attention.paged_decode_attention(out, q, k, v, tables, lens, scale)
+        return cpu_attention.paged_decode_attention_quantized(out, q, *_quantized(k, v, cache), tables, lens,
+                                                              scale)
+
+    expected = attend("generic")
+    # the paths differ in summation order only; bf16: up to one rounding step of the output
+    tol = {"fp32": 1e-5, "bf16": 8e-3, "int8": 2e-5, "u8": 2e-5}[cache]
+    for path in _paths()[1:]:
+        torch.testing.assert_close(attend(path).float(), expected.float(), atol=tol, rtol=tol,
+                                   msg=lambda m, p=path: f"{p}: {m}")
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_path_matches_the_reference(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
@@ -92,19 +130,14 @@ def test_quantized_codes_match_the_dequantized_reference(name: str, shape: tuple
                                                          dtype: torch.dtype) -> None:
     q, k, v, tables, lens = _case(*shape, seed=7)
     fmt = FORMATS[name]
-    cache_shape = k.shape
-    (kc, kp), (vc, vp) = quantize(k.flatten(0, 1), fmt), quantize(v.flatten(0, 1), fmt)
-    assert kp is not None and vp is not None
-    k_codes, v_codes = kc.view(cache_shape), vc.view(cache_shape)
-    k_params = kp.reshape(*cache_shape[:3], fmt.num_params).contiguous()
-    v_params = vp.reshape(*cache_shape[:3], fmt.num_params).contiguous()
+    k_codes, v_codes, k_params, v_params = _quantized(k, v, name)
     k_values = dequantize(k_codes, k_params, fmt, torch.float32)
     v_values = dequantize(v_codes, v_params, fmt, torch.float32)
     q = q.to(dtype)
     scale = shape[2] ** -0.5
     expected = _reference(q, k_values, v_values, tables, lens, scale)
     tol = 2e-5 if dtype == torch.float32 else 1.6e-2
-    for path in ["generic", *[p for p in _paths() if p.startswith("avx512")]]:
+    for path in _paths():
         cpu_attention.set_isa(path)
         out = torch.empty_like(q)
         cpu_attention.paged_decode_attention_quantized(out, q, k_codes, v_codes, k_params, v_params, tables,

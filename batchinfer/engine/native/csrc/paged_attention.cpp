@@ -15,8 +15,9 @@
 // bytes of fp32 / bf16: value = code * scale (+ zero point), applied in registers.
 //
 // Paths (issue 34): AVX-512 where the build has it (-march=native; the CPU flags are in the build key), with
-// avx512_bf16's dot products for q.k over bf16 keys; AVX2/FMA; portable loops. set_decode_attention_isa
-// caps the path at run time (A/B benches, tests of every path on one machine).
+// avx512_bf16's dot products for q.k over bf16 keys; AVX2/FMA (the same block-by-block walk in 8 lanes, every
+// cache type: fp32, bf16, int8 / u8 codes); portable loops. set_decode_attention_isa caps the path at run
+// time (A/B benches, tests of every path on one machine).
 
 #include "cpu_kernels.h"
 
@@ -100,11 +101,18 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// 8 consecutive elements as float32: a bf16 is the high half of a float32, so widen and shift (exact).
+// 8 consecutive elements as float32: a bf16 is the high half of a float32, so widen and shift (exact);
+// 1-byte codes are sign / zero extended to int32 and converted (exact).
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const bf16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+static inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline __m256 load8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 static inline void store8(bf16* p, __m256 v) {
@@ -113,54 +121,140 @@ static inline void store8(bf16* p, __m256 v) {
   for (int i = 0; i < 8; ++i) p[i] = bf16(tmp[i]);  // round to nearest even, like torch's .to(bfloat16)
 }
 
-// prefetch_block for the AVX2 path's addressing (D = 8 * D8 elements of T per row of one head).
-template <int D8, typename T>
-static inline void prefetch_rows(const T* cache, const int32_t* table, int64_t b, int64_t L, int64_t BS, int64_t row,
-                                 int64_t block_stride, int64_t hk_off) {
-  const int64_t n = std::min(BS, L - b * BS);
-  if (n <= 0) return;
-  const char* base = reinterpret_cast<const char*>(cache + table[b] * block_stride + hk_off);
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t o = 0; o < static_cast<int64_t>(8 * D8 * sizeof(T)); o += 64)
-      prefetch_line(base + j * row * sizeof(T) + o);
+// The lane sums of 8 vectors, in order: one transpose-add tree instead of 8 horizontal reductions.
+static inline __m256 reduce8x8(const __m256* h) {
+  const __m256 s01 = _mm256_hadd_ps(h[0], h[1]), s23 = _mm256_hadd_ps(h[2], h[3]);
+  const __m256 s45 = _mm256_hadd_ps(h[4], h[5]), s67 = _mm256_hadd_ps(h[6], h[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// One (sequence, kv head): D = 8 * D8.
-template <int D8, typename T>
-static void item_avx2(const T* qrow, int64_t q_h, const T* kp, const T* vp, const int32_t* table, int64_t L,
-                      int64_t G, int64_t BS, int64_t row, int64_t block_stride, int64_t hk_off, float scale,
-                      float* scores, float* inv_sum, T* op, int64_t o_h) {
-  for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_rows<D8>(kp, table, b, L, BS, row, block_stride, hk_off);
-  for (int64_t g = 0; g < G; ++g) {
-    __m256 qv[D8];
-    const __m256 sc = _mm256_set1_ps(scale);
-    for (int i = 0; i < D8; ++i) qv[i] = _mm256_mul_ps(load8(qrow + g * q_h + 8 * i), sc);
-    float* sg = scores + g * L;
-    for (int64_t t = 0; t < L; ++t) {
-      if (g == 0 && t % BS == 0)
-        prefetch_rows<D8>(kp, table, t / BS + kPrefetchBlocks, L, BS, row, block_stride, hk_off);
-      const T* k = kp + table[t / BS] * block_stride + (t % BS) * row + hk_off;
-      __m256 acc = _mm256_mul_ps(qv[0], load8(k));
-      for (int i = 1; i < D8; ++i) acc = _mm256_fmadd_ps(qv[i], load8(k + 8 * i), acc);
-      sg[t] = hsum(acc);
+// q . k over D = 8 * D8 values, lane-wise (the caller reduces the 8 lanes).
+template <int D8, typename K>
+static inline __m256 dot8(const float* q, const K* k) {
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+  for (int i = 1; i < D8; ++i) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), load8(k + 8 * i), acc);
+  return acc;
+}
+
+// The weighted sum of one block's n value rows, for GT query heads and CW * 8 columns: the accumulators
+// (acc, GT rows of stride D) are loaded, updated row by row in t order, and stored back. Why tiles: AVX2 has
+// 16 ymm registers, so GT * CW accumulators + the GT weights + one value vector must fit; each value vector
+// is converted once for the GT heads.
+template <int GT, int CW, typename K>
+static inline void pv_chunk(const float* weights, int64_t L, const K* v, int64_t row, int64_t n, float* acc,
+                            int64_t D) {
+  __m256 a[GT][CW];
+  for (int gi = 0; gi < GT; ++gi)
+    for (int i = 0; i < CW; ++i) a[gi][i] = _mm256_loadu_ps(acc + gi * D + 8 * i);
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 w[GT];
+    for (int gi = 0; gi < GT; ++gi) w[gi] = _mm256_broadcast_ss(weights + gi * L + j);
+    for (int i = 0; i < CW; ++i) {
+      const __m256 x = load8(v + j * row + 8 * i);
+      for (int gi = 0; gi < GT; ++gi) a[gi][i] = _mm256_fmadd_ps(w[gi], x, a[gi][i]);
     }
   }
-  for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_rows<D8>(vp, table, b, L, BS, row, block_stride, hk_off);
-  softmax_rows(scores, G, L, inv_sum);
+  for (int gi = 0; gi < GT; ++gi)
+    for (int i = 0; i < CW; ++i) _mm256_storeu_ps(acc + gi * D + 8 * i, a[gi][i]);
+}
+
+// One block of values for GT heads (weights: their scores at the block's first token), all D = 8 * D8
+// columns in chunks of CW vectors.
+template <int D8, int GT, typename K>
+static inline void pv_block(const float* weights, int64_t L, const K* v, int64_t row, int64_t n, float* acc) {
+  constexpr int CW = GT == 1 ? 8 : (GT == 2 ? 4 : 2);  // GT * CW <= 8 accumulators
+  static_assert(D8 % CW == 0, "the chunks tile a row");
+  for (int c = 0; c < D8 / CW; ++c)
+    pv_chunk<GT, CW>(weights, L, v + 8 * CW * c, row, n, acc + 8 * CW * c, 8 * D8);
+}
+
+// One (sequence, kv head), D = 8 * D8: like item_avx512, block by block with the G query heads inside the
+// block, so a block's K rows (and then its V rows) are read from memory once and from L1 by the other
+// heads. Quantized codes: the scores and sums are over codes; the per-row params then give the values'
+// (scale; u8's zero point through the query sums for scores and the weight sums zsum for values).
+template <int D8, typename T, typename K>
+static void item_avx2(const T* qrow, int64_t q_h, const CacheView<K>& kc, const CacheView<K>& vc,
+                      const int32_t* table, int64_t L, int64_t G, int64_t BS, float scale, float* scores,
+                      float* qbuf, float* inv_sum, float* acc, T* op, int64_t o_h) {
+  constexpr int D = 8 * D8;
+  float* qf = qbuf;                // [G, D] float32 queries
+  float* qsum = qbuf + G * D;      // [G] sums of the queries (u8's zero point: sum_d q_d * z)
+  float* zsum = qsum + G;          // [G] sums of weight * zero point (u8's values)
   for (int64_t g = 0; g < G; ++g) {
-    __m256 acc[D8];
-    for (int i = 0; i < D8; ++i) acc[i] = _mm256_setzero_ps();
-    const float* sg = scores + g * L;
-    for (int64_t t = 0; t < L; ++t) {
-      if (g == 0 && t % BS == 0)
-        prefetch_rows<D8>(vp, table, t / BS + kPrefetchBlocks, L, BS, row, block_stride, hk_off);
-      const T* v = vp + table[t / BS] * block_stride + (t % BS) * row + hk_off;
-      const __m256 p = _mm256_set1_ps(sg[t]);
-      for (int i = 0; i < D8; ++i) acc[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), acc[i]);
+    float s = 0.f;
+    for (int d = 0; d < D; ++d) s += (qf[g * D + d] = static_cast<float>(qrow[g * q_h + d]));
+    qsum[g] = s;
+    zsum[g] = 0.f;
+  }
+  constexpr int64_t row_bytes = D * sizeof(K);
+  for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_block(kc, table, b, L, BS, row_bytes);
+  for (int64_t t0 = 0, b = 0; t0 < L; t0 += BS, ++b) {
+    const int64_t n = std::min(BS, L - t0);
+    const K* base = kc.block(table[b]);
+    prefetch_block(kc, table, b + kPrefetchBlocks, L, BS, row_bytes);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      float* sg = scores + g * L + t0;
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {  // 8 keys at once: q is loaded once per 8 rows' vectors
+        __m256 dots[8];
+        for (int u = 0; u < 8; ++u) dots[u] = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(base + (j + u) * kc.row));
+        for (int i = 1; i < D8; ++i) {
+          const __m256 qv = _mm256_loadu_ps(qg + 8 * i);
+          for (int u = 0; u < 8; ++u)
+            dots[u] = _mm256_fmadd_ps(qv, load8(base + (j + u) * kc.row + 8 * i), dots[u]);
+        }
+        _mm256_storeu_ps(sg + j, reduce8x8(dots));
+      }
+      for (; j < n; ++j) sg[j] = hsum(dot8<D8>(qg, base + j * kc.row));
     }
-    const __m256 inv = _mm256_set1_ps(inv_sum[g]);
-    T* o = op + g * o_h;
-    for (int i = 0; i < D8; ++i) store8(o + 8 * i, _mm256_mul_ps(acc[i], inv));
+    const float* params = kc.block_params(table[b]);
+    for (int64_t g = 0; g < G; ++g) {  // dot of the codes -> scaled score of the values they stand for
+      float* sg = scores + g * L + t0;
+      if (params == nullptr) {
+        for (int64_t i = 0; i < n; ++i) sg[i] *= scale;
+      } else if (kc.num_params == 1) {
+        for (int64_t i = 0; i < n; ++i) sg[i] *= scale * params[i * kc.prow];
+      } else {
+        for (int64_t i = 0; i < n; ++i)
+          sg[i] = scale * (sg[i] * params[i * kc.prow] + qsum[g] * params[i * kc.prow + 1]);
+      }
+    }
+  }
+  for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_block(vc, table, b, L, BS, row_bytes);  // during softmax
+  softmax_rows(scores, G, L, inv_sum);
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t0 = 0, b = 0; t0 < L; t0 += BS, ++b) {
+    const int64_t n = std::min(BS, L - t0);
+    const K* base = vc.block(table[b]);
+    prefetch_block(vc, table, b + kPrefetchBlocks, L, BS, row_bytes);
+    const float* params = vc.block_params(table[b]);
+    if (params != nullptr) {  // weight * code * scale (+ weight * zero point, summed apart)
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores + g * L + t0;
+        if (vc.num_params == 2)
+          for (int64_t i = 0; i < n; ++i) zsum[g] += sg[i] * params[i * vc.prow + 1];
+        for (int64_t i = 0; i < n; ++i) sg[i] *= params[i * vc.prow];
+      }
+    }
+    for (int64_t g0 = 0; g0 < G;) {  // head tiles of 4 (8 accumulators of 2 vectors), the rest in one tile
+      const int64_t gt = G - g0 >= 4 ? 4 : G - g0;
+      const float* w = scores + g0 * L + t0;
+      float* a = acc + g0 * D;
+      switch (gt) {  // a compile-time tile: its accumulators stay in registers
+        case 1: pv_block<D8, 1>(w, L, base, vc.row, n, a); break;
+        case 2: pv_block<D8, 2>(w, L, base, vc.row, n, a); break;
+        case 3: pv_block<D8, 3>(w, L, base, vc.row, n, a); break;
+        default: pv_block<D8, 4>(w, L, base, vc.row, n, a); break;
+      }
+      g0 += gt;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 sc = _mm256_set1_ps(inv_sum[g]), z = _mm256_set1_ps(zsum[g] * inv_sum[g]);
+    for (int i = 0; i < D8; ++i)
+      store8(op + g * o_h + 8 * i, _mm256_fmadd_ps(_mm256_loadu_ps(acc + g * D + 8 * i), sc, z));
   }
 }
 #endif
@@ -384,7 +478,7 @@ static void decode_impl(torch::Tensor& out, const torch::Tensor& q, const torch:
   const float fscale = static_cast<float>(scale);
   const int isa = g_isa.load(std::memory_order_relaxed);
   at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D), inv_sum(G), qbuf(G * D + G);
+    std::vector<float> scores, acc(G * D), inv_sum(G), qbuf(G * D + 2 * G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / Hkv, hk = item % Hkv, L = lens[s];
       scores.resize(G * L);
@@ -413,16 +507,14 @@ static void decode_impl(torch::Tensor& out, const torch::Tensor& q, const torch:
       }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-      if constexpr (std::is_same_v<T, K>) {
-        if (isa >= kAvx2 && (D == 64 || D == 128)) {
-          if (D == 64)
-            item_avx2<8, T>(qrow, q_h, kp, vp, table, L, G, BS, row, block_stride, hk * D, fscale, scores.data(),
-                            inv_sum.data(), orow, o_h);
-          else
-            item_avx2<16, T>(qrow, q_h, kp, vp, table, L, G, BS, row, block_stride, hk * D, fscale,
-                             scores.data(), inv_sum.data(), orow, o_h);
-          continue;
-        }
+      if (isa >= kAvx2 && (D == 64 || D == 128)) {
+        if (D == 64)
+          item_avx2<8, T, K>(qrow, q_h, kc, vc, table, L, G, BS, fscale, scores.data(), qbuf.data(), inv_sum.data(),
+                             acc.data(), orow, o_h);
+        else
+          item_avx2<16, T, K>(qrow, q_h, kc, vc, table, L, G, BS, fscale, scores.data(), qbuf.data(),
+                              inv_sum.data(), acc.data(), orow, o_h);
+        continue;
       }
 #endif
       item_generic<T, K>(qrow, q_h, kc, vc, table, L, G, D, BS, fscale, scores.data(), inv_sum.data(),
