@@ -192,7 +192,7 @@ def run_peers(args, model_path: Path, prompts, budgets, eos: frozenset[int]) -> 
             rows[precision] = f"the peer failed: {exc}"
             continue
         outputs = figures["outputs"]
-        note = (f" (IR {ir_dir}, {properties or 'CPU defaults: bf16 compute, u8 KV cache'}, "
+        note = (f" (IR {ir_dir}, {properties or figures.get('defaults', 'CPU defaults')}, "
                 f"openvino {figures['openvino']}, compile {figures['load_seconds']:.1f}s)")
         rows[precision] = Result(PEER_NAME, precision, produced_tokens(outputs, budgets, eos),
                                  figures["seconds"], figures["cpu_seconds"], outputs, note)
@@ -251,7 +251,8 @@ def report(args, ours: dict[str, Result | str], peers: dict[str, Result | str], 
     print("|---|---:|---:|---:|")
     print("| **batchinfer** | " + " | ".join(f"**{_cell(ours.get(p))}**" for p in PRECISIONS) + " |")
     if peers:
-        print(f"| {PEER_NAME} (fp32: f32 compute + KV; bf16: its default bf16 + u8 KV; int8: int8 weights) | "
+        print(f"| {PEER_NAME} (fp32: f32 compute + KV; bf16: its CPU defaults, bf16 compute where the CPU "
+              "has it + u8 KV; int8: int8 weights) | "
               + " | ".join(_cell(peers.get(p)) for p in PRECISIONS) + " |")
         ratios = [_ratio(ours.get(p), peers.get(p)) for p in PRECISIONS]
         print(f"| batchinfer / OpenVINO (target >= {TARGET_VS_PEER}x) | "

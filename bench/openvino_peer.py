@@ -10,8 +10,8 @@ has two halves:
     greedy, each request with its own max_new_tokens, stopping at the model's EOS ids.
 
 Rows (PEER_ROWS): fp32 = fp32 IR with INFERENCE_PRECISION_HINT=f32 and KV_CACHE_PRECISION=f32; bf16 =
-fp32 IR with the CPU plugin's defaults (bf16 compute on avx512_bf16, u8 KV cache); int8 = int8-weight IR
-with the same defaults.
+fp32 IR with the CPU plugin's defaults (bf16 compute on avx512_bf16 / AMX, f32 on an AVX2-only CPU; u8 KV
+cache); int8 = int8-weight IR with the same defaults. The child reports the defaults it ran with.
 
     .venv-peers/bin/python bench/openvino_peer.py run --ir DIR --workload w.json --out r.json --precision fp32
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 # precision row -> (optimum-cli --weight-format of the IR it runs, CPU plugin properties beyond the threads)
 PEER_ROWS: dict[str, tuple[str, dict[str, str]]] = {
     "fp32": ("fp32", {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}),
-    "bf16": ("fp32", {}),  # the CPU default here: bf16 compute, u8 KV cache
+    "bf16": ("fp32", {}),  # the CPU defaults: bf16 compute where the CPU has it, u8 KV cache
     "int8": ("int8", {}),
 }
 PEER_NAME = "OpenVINO GenAI ContinuousBatchingPipeline"
@@ -86,6 +86,15 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def cpu_defaults(core: object) -> str:
+    """The CPU plugin's default compute and KV cache precisions here ("f32 compute, u8 KV cache")."""
+    def name(key: str) -> str:
+        value = str(core.get_property("CPU", key))  # type: ignore[attr-defined]  # openvino.Core
+        return {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "uint8_t": "u8", "int8_t": "i8"}.get(
+            value.split("'")[1] if "'" in value else value, value)
+    return f"CPU defaults: {name('INFERENCE_PRECISION_HINT')} compute, {name('KV_CACHE_PRECISION')} KV cache"
+
+
 def run_workload(ir_dir: str, precision: str, threads: int, workload: dict) -> dict:
     """Generate the workload with a ContinuousBatchingPipeline; outputs, wall and CPU seconds."""
     import numpy as np
@@ -118,6 +127,7 @@ def run_workload(ir_dir: str, precision: str, threads: int, workload: dict) -> d
     return {
         "outputs": outputs, "seconds": seconds, "cpu_seconds": cpu_seconds, "load_seconds": load_seconds,
         "properties": {k: str(v) for k, v in properties.items()}, "openvino": ov.__version__,
+        "defaults": cpu_defaults(ov.Core()),
         "openvino_genai": ov_genai.__version__,
     }
 
