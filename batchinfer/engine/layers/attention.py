@@ -96,7 +96,7 @@ class Attention(nn.Module):
         if ctx.backend == "dense":  # packed whole inputs, no KV cache (ModelRunner.embed)
             o = self._dense(q, k, v, ctx.dense_groups)
         elif ctx.backend == "triton":
-            from batchinfer import kernels
+            import batchinfer.kernels as kernels
 
             kernels.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
             o = kernels.paged_attention(

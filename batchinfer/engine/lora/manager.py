@@ -92,6 +92,6 @@ class LoRAManager:
 
 
 def _triton_available() -> bool:
-    from batchinfer import kernels
+    import batchinfer.kernels as kernels
 
     return kernels.TRITON_AVAILABLE

@@ -89,7 +89,7 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
     if requested == "auto":
         if device.type != "cuda":
             return "torch"
-        from batchinfer import kernels
+        import batchinfer.kernels as kernels
 
         return "triton" if kernels.TRITON_AVAILABLE else "torch"
     return requested
