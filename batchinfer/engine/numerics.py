@@ -1,9 +1,12 @@
 """ENGINE_NUMERICS_VERSION: bumped by any engine change that could alter an output for the same inputs.
 
-The result cache (workers/result_cache.py) keys every body with it: a kernel, sampler, model-layer or
-tokenization change that moves a single logit must bump it, so results computed before are never served
-as if this engine had computed them. Pure Python: the store and the workers read it without torch.
+The result cache (workers/result_cache.py, through workers/model_identity.py) keys every body with it: a
+kernel, sampler, model-layer or tokenization change that moves a single logit must bump it, so results
+computed before are never served as if this engine had computed them. Pure Python: the store and the
+workers read it without torch.
 """
 
 # 2: the AVX-512 decode attention path (issue 34) sums q.k and the values in another order than AVX2 did.
-ENGINE_NUMERICS_VERSION = 2
+# 3: the AVX2 decode attention scales scores after the dot (as AVX-512 does) and reads int8 / u8 codes with
+#    its own loops; bf16 on an AVX2-only CPU runs oneDNN's fp32 GEMM over widened weights, not bf16 F.linear.
+ENGINE_NUMERICS_VERSION = 3
