@@ -38,23 +38,24 @@ def _restore_path() -> Iterator[None]:
 
 def _reference(q, k_cache, v_cache, tables, seq_lens, scale) -> torch.Tensor:
     """Float32 attention of each q[s] over its first seq_lens[s] cached rows, read through the block table."""
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    num_heads, block_size, num_kv_heads = q.shape[1], k_cache.shape[1], k_cache.shape[2]
     out = torch.empty(q.shape, dtype=torch.float32)
     for s in range(q.shape[0]):
         pos = torch.arange(int(seq_lens[s]))
-        blocks = tables[s][pos // BLOCK_SIZE].long()
-        keys = k_cache[blocks, pos % BLOCK_SIZE].float().repeat_interleave(num_heads // num_kv_heads, 1)
-        values = v_cache[blocks, pos % BLOCK_SIZE].float().repeat_interleave(num_heads // num_kv_heads, 1)
+        blocks = tables[s][pos // block_size].long()
+        keys = k_cache[blocks, pos % block_size].float().repeat_interleave(num_heads // num_kv_heads, 1)
+        values = v_cache[blocks, pos % block_size].float().repeat_interleave(num_heads // num_kv_heads, 1)
         probs = torch.softmax(torch.einsum("hd,lhd->hl", q[s].float(), keys) * scale, -1)
         out[s] = torch.einsum("hl,lhd->hd", probs, values)
     return out
 
 
-def _case(heads: int, kv_heads: int, head_dim: int, seed: int):
+def _case(heads: int, kv_heads: int, head_dim: int, seed: int, block_size: int = BLOCK_SIZE):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 48
-    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:7] for _ in SEQ_LENS]).int()
-    shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    per_seq = -(-max(SEQ_LENS) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:per_seq] for _ in SEQ_LENS]).int()
+    shape = (num_blocks, block_size, kv_heads, head_dim)
     k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen) * 2
     q = torch.randn(len(SEQ_LENS), heads, head_dim, generator=gen)
     return q, k, v, tables, torch.tensor(SEQ_LENS, dtype=torch.int32)
@@ -92,6 +93,31 @@ def test_every_path_matches_the_portable_loops(cache: str, shape: tuple[int, int
     tol = {"fp32": 1e-5, "bf16": 8e-3, "int8": 2e-5, "u8": 2e-5}[cache]
     for path in _paths()[1:]:
         torch.testing.assert_close(attend(path).float(), expected.float(), atol=tol, rtol=tol,
+                                   msg=lambda m, p=path: f"{p}: {m}")
+
+
+@pytest.mark.parametrize("cache", ["fp32", "bf16", "int8", "u8"])
+def test_a_block_size_that_is_not_a_multiple_of_eight(cache: str) -> None:
+    """Blocks of 12 rows: the 8-key score groups end inside a block, and the tails run per key."""
+    q, k, v, tables, lens = _case(9, 3, 64, seed=11, block_size=12)
+    if cache == "bf16":
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    scale = 64 ** -0.5
+    if cache in ("int8", "u8"):
+        codes = _quantized(k, v, cache)
+        fmt = FORMATS[cache]
+        k = dequantize(codes[0], codes[2], fmt, torch.float32)
+        v = dequantize(codes[1], codes[3], fmt, torch.float32)
+    expected = _reference(q, k, v, tables, lens, scale)
+    for path in _paths():
+        cpu_attention.set_isa(path)
+        out = torch.empty_like(q)
+        if cache in ("fp32", "bf16"):
+            cpu_attention.paged_decode_attention(out, q, k, v, tables, lens, scale)
+        else:
+            cpu_attention.paged_decode_attention_quantized(out, q, *codes, tables, lens, scale)
+        tol = 1e-2 if cache == "bf16" else 1e-4
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol,
                                    msg=lambda m, p=path: f"{p}: {m}")
 
 
