@@ -61,10 +61,10 @@ class OneDnnLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:  # the engine's activations are [T, features]; keep any other caller working
             return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
-        if x.dtype != self.packed.dtype:
-            return torch.ops.mkldnn._linear_pointwise(x.to(self.packed.dtype), self.packed, self.bias, "none",
-                                                      [], "").to(x.dtype)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        # .to is a no-op (the same tensor) unless this is a widened bf16 GEMM
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.packed.dtype), self.packed, self.bias, "none", [],
+                                               "")
+        return y.to(x.dtype)
 
 
 def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:

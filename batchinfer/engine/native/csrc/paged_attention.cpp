@@ -92,6 +92,36 @@ static inline void softmax_rows(float* scores, int64_t G, int64_t L, float* inv_
   }
 }
 
+// The G query rows of one kv head as float32 [G, D] (qf), and each row's sum (qsum: u8's zero point
+// enters a score as sum_d q_d * z).
+template <typename T>
+static inline void widen_queries(const T* qrow, int64_t q_h, int64_t G, int64_t D, float* qf, float* qsum) {
+  for (int64_t g = 0; g < G; ++g) {
+    float s = 0.f;
+    for (int64_t d = 0; d < D; ++d) s += (qf[g * D + d] = static_cast<float>(qrow[g * q_h + d]));
+    qsum[g] = s;
+  }
+}
+
+// The raw dots of one block's n keys (scores [G, L], from column t0 on) -> scaled scores of the values the
+// codes stand for: times scale, and for a quantized cache times each row's scale (+ its zero point's share).
+template <typename K>
+static inline void scale_block_scores(const CacheView<K>& kc, int32_t block, float* scores, int64_t G,
+                                      int64_t L, int64_t n, float scale, const float* qsum) {
+  const float* params = kc.block_params(block);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * L;
+    if (params == nullptr) {
+      for (int64_t i = 0; i < n; ++i) sg[i] *= scale;
+    } else if (kc.num_params == 1) {
+      for (int64_t i = 0; i < n; ++i) sg[i] *= scale * params[i * kc.prow];
+    } else {
+      for (int64_t i = 0; i < n; ++i)
+        sg[i] = scale * (sg[i] * params[i * kc.prow] + qsum[g] * params[i * kc.prow + 1]);
+    }
+  }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 static inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -181,12 +211,8 @@ static void item_avx2(const T* qrow, int64_t q_h, const CacheView<K>& kc, const 
   float* qf = qbuf;                // [G, D] float32 queries
   float* qsum = qbuf + G * D;      // [G] sums of the queries (u8's zero point: sum_d q_d * z)
   float* zsum = qsum + G;          // [G] sums of weight * zero point (u8's values)
-  for (int64_t g = 0; g < G; ++g) {
-    float s = 0.f;
-    for (int d = 0; d < D; ++d) s += (qf[g * D + d] = static_cast<float>(qrow[g * q_h + d]));
-    qsum[g] = s;
-    zsum[g] = 0.f;
-  }
+  widen_queries(qrow, q_h, G, D, qf, qsum);
+  std::fill(zsum, zsum + G, 0.f);
   constexpr int64_t row_bytes = D * sizeof(K);
   for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_block(kc, table, b, L, BS, row_bytes);
   for (int64_t t0 = 0, b = 0; t0 < L; t0 += BS, ++b) {
@@ -209,18 +235,7 @@ static void item_avx2(const T* qrow, int64_t q_h, const CacheView<K>& kc, const 
       }
       for (; j < n; ++j) sg[j] = hsum(dot8<D8>(qg, base + j * kc.row));
     }
-    const float* params = kc.block_params(table[b]);
-    for (int64_t g = 0; g < G; ++g) {  // dot of the codes -> scaled score of the values they stand for
-      float* sg = scores + g * L + t0;
-      if (params == nullptr) {
-        for (int64_t i = 0; i < n; ++i) sg[i] *= scale;
-      } else if (kc.num_params == 1) {
-        for (int64_t i = 0; i < n; ++i) sg[i] *= scale * params[i * kc.prow];
-      } else {
-        for (int64_t i = 0; i < n; ++i)
-          sg[i] = scale * (sg[i] * params[i * kc.prow] + qsum[g] * params[i * kc.prow + 1]);
-      }
-    }
+    scale_block_scores(kc, table[b], scores + t0, G, L, n, scale, qsum);
   }
   for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_block(vc, table, b, L, BS, row_bytes);  // during softmax
   softmax_rows(scores, G, L, inv_sum);
@@ -362,11 +377,7 @@ static void item_avx512(const T* qrow, int64_t q_h, const CacheView<K>& kc, cons
   constexpr int D = 16 * D16;
   float* qf = qbuf;       // [G, D] float32 queries
   float* qsum = qbuf + G * D;  // [G] sums of the queries (u8's zero point: sum_d q_d * z)
-  for (int64_t g = 0; g < G; ++g) {
-    float s = 0.f;
-    for (int d = 0; d < D; ++d) s += (qf[g * D + d] = static_cast<float>(qrow[g * q_h + d]));
-    qsum[g] = s;
-  }
+  widen_queries(qrow, q_h, G, D, qf, qsum);
   const bf16* qb = reinterpret_cast<const bf16*>(qrow);  // kDp: T is bf16
   constexpr int64_t row_bytes = D * sizeof(K);
   for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_block(kc, table, b, L, BS, row_bytes);
@@ -385,18 +396,7 @@ static void item_avx512(const T* qrow, int64_t q_h, const CacheView<K>& kc, cons
     for (; j < n; ++j)
       for (int64_t g = 0; g < G; ++g)
         scores[g * L + t0 + j] = _mm512_reduce_add_ps(dot16<D16, K, kDp>(qf + g * D, qb + g * q_h, base + j * kc.row));
-    const float* params = kc.block_params(table[b]);
-    for (int64_t g = 0; g < G; ++g) {  // dot of the codes -> scaled score of the values they stand for
-      float* sg = scores + g * L + t0;
-      if (params == nullptr) {
-        for (int64_t i = 0; i < n; ++i) sg[i] *= scale;
-      } else if (kc.num_params == 1) {
-        for (int64_t i = 0; i < n; ++i) sg[i] *= scale * params[i * kc.prow];
-      } else {
-        for (int64_t i = 0; i < n; ++i)
-          sg[i] = scale * (sg[i] * params[i * kc.prow] + qsum[g] * params[i * kc.prow + 1]);
-      }
-    }
+    scale_block_scores(kc, table[b], scores + t0, G, L, n, scale, qsum);
   }
   for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_block(vc, table, b, L, BS, row_bytes);  // during softmax
   softmax_rows(scores, G, L, inv_sum);
