@@ -13,7 +13,12 @@ import torch
 
 from batchinfer.engine.config import EngineConfig, cpu_has_native_bf16
 from batchinfer.engine.layers import cpu_attention
-from batchinfer.engine.layers.weight_packing import OneDnnLinear, onednn_supports
+from batchinfer.engine.layers.weight_packing import (
+    OneDnnLinear,
+    PanelLinear,
+    cpu_linear_mode,
+    onednn_supports,
+)
 from tests.engine.test_models import FakeSeq, ScatteredBlocks, make_runner, random_tokens, run_step
 
 needs_kernel = pytest.mark.skipif(cpu_attention.load() is None, reason="native CPU kernel not built here")
@@ -101,13 +106,18 @@ def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_it(tiny_llama: Path) -> No
 
 def test_bf16_linear_layers_are_prepacked_with_or_without_onednn_bf16(tiny_llama: Path) -> None:
     """Every linear and the head are prepacked and the linears' dense weights released: in bf16 where oneDNN
-    runs bf16 GEMMs (AVX-512), else (an AVX2-only CPU) as the widened fp32 weight of oneDNN's fp32 GEMM."""
+    runs bf16 GEMMs (AVX-512); on an AVX2-only CPU as bf16 panels of the panel GEMM (or, with
+    BATCHINFER_CPU_LINEAR=onednn, as the widened fp32 weight of oneDNN's fp32 GEMM)."""
     runner = make_runner(tiny_llama, dtype="bfloat16")
     layer = runner.model.model.layers[0]
     assert runner.model.lm_head.weight.numel() > 0  # the head's matrix stays (it may be the embedding)
     qkv, head = layer.self_attn.qkv_proj.packed, runner.model.lm_head.packed
-    assert isinstance(qkv, OneDnnLinear) and isinstance(head, OneDnnLinear)
     assert layer.mlp.down_proj.weight.numel() == 0
+    if cpu_linear_mode() == "panel":  # AVX2-only: the panel GEMM, its weights bf16 in memory
+        assert isinstance(qkv, PanelLinear) and isinstance(head, PanelLinear)
+        assert qkv.panels.dtype == head.panels.dtype == torch.bfloat16
+        return
+    assert isinstance(qkv, OneDnnLinear) and isinstance(head, OneDnnLinear)
     packed_dtype = torch.bfloat16 if onednn_supports(torch.bfloat16) else torch.float32
     assert qkv.packed.dtype == head.packed.dtype == packed_dtype
 

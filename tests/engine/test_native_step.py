@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.layers import cpu_attention
+from batchinfer.engine.layers import cpu_attention, weight_packing
 from batchinfer.engine.worker import native_step
 from batchinfer.engine.worker.model_runner import ModelRunner
 
@@ -56,11 +56,19 @@ def _run(runner: ModelRunner) -> tuple[list[torch.Tensor], torch.Tensor]:
     return logits, runner.kv_cache.clone()
 
 
-@pytest.mark.parametrize(("dtype", "quantization"), [("float32", None), ("bfloat16", None),
-                                                      ("float32", "int8")])
-def test_native_step_equals_the_python_layer_loop(tiny_llama: Path, dtype: str,
-                                                  quantization: str | None) -> None:
+@pytest.mark.parametrize(("dtype", "quantization", "linear"),
+                         [("float32", None, "onednn"), ("bfloat16", None, "onednn"),
+                          ("float32", "int8", "auto"),
+                          ("float32", None, "panel"), ("bfloat16", None, "panel")])
+def test_native_step_equals_the_python_layer_loop(tiny_llama: Path, dtype: str, quantization: str | None,
+                                                  linear: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if linear == "panel" and weight_packing.panel_extension() is None:
+        pytest.skip("the panel GEMM needs an AVX2 + FMA build")
+    monkeypatch.setenv(weight_packing.CPU_LINEAR_ENV, linear)
     native = _runner(tiny_llama, dtype, quantization)
+    if quantization is None:
+        kind = weight_packing.PanelLinear if linear == "panel" else weight_packing.OneDnnLinear
+        assert isinstance(native.model.model.layers[0].mlp.down_proj.packed, kind)
     python = _runner(tiny_llama, dtype, quantization)
     assert native.native_step is not None
     python.native_step = None

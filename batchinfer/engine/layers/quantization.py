@@ -53,9 +53,9 @@ class QuantizationFormat:
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, per_token: bool) -> LinearFn | None:
         """The CPU kernel of one linear (x -> x @ W.T + bias), or None to keep F.linear."""
-        from batchinfer.engine.layers.weight_packing import cpu_linear_mode, onednn_linear
+        from batchinfer.engine.layers.weight_packing import cpu_linear_kernel
 
-        return onednn_linear(weight, bias) if cpu_linear_mode() == "onednn" else None
+        return cpu_linear_kernel(weight, bias)
 
     def pack_linears(self, model: nn.Module,
                      already_packed: set[nn.Module] | frozenset[nn.Module] = frozenset()) -> int:
@@ -71,7 +71,7 @@ class QuantizationFormat:
 
 
 class Dense(QuantizationFormat):
-    """No quantization: the model's own dtype; oneDNN's prepacked GEMM where it runs that dtype."""
+    """No quantization: the model's own dtype; the panel GEMM (AVX2-only CPUs) or oneDNN's prepacked GEMM."""
 
 
 class Int8(QuantizationFormat):

@@ -13,11 +13,17 @@ channels, is quantized per token (each row scaled to max 1 around the per-tensor
 without VNNI that takes bench/quality.py's fixed-text mean log-prob from 32% off fp32 to 2.3%. The LM head
 is int8 too (about 1% of that delta).
 
+On an AVX2-only CPU (no AVX-512: oneDNN has no brgemm there) float32 and bfloat16 weights go to our own
+panel GEMM instead (PanelLinear, csrc/panel_gemm.cpp): oneDNN's AVX2 GEMM paid a decode step's weight
+traffic and its arithmetic one after the other, the panel GEMM streams each weight once per step beside
+the arithmetic (a step's 121 GEMMs of SmolLM2 on the AVX2 bench machine: 24 vs 36 ms at 1 row, 70 vs 95 ms
+at 32, 176 vs 262 ms at 96), and a bf16 weight stays bf16 in memory, widened in registers.
+
 pack_linears(model, kernels) sets each LinearBase / ParallelLMHead's `packed` callable (x -> y with its
 bias), the kernel the weight format chooses (layers/quantization.py: dense, int8, gguf); the modules fall
 back to F.linear when it is None (CUDA, float16, BATCHINFER_CPU_LINEAR=aten). bf16 on a CPU whose oneDNN
-has no bf16 GEMM (AVX2-only) runs oneDNN's fp32 GEMM over the widened weight (OneDnnLinear): plain bf16
-F.linear there ran SmolLM2 at 0.19x OpenVINO's default (49 tok/s against fp32's 223 on the AVX2 machine).
+has no bf16 GEMM (AVX2-only) with BATCHINFER_CPU_LINEAR=onednn runs oneDNN's fp32 GEMM over the widened
+weight (OneDnnLinear): plain bf16 F.linear there ran SmolLM2 at 0.19x OpenVINO's default.
 The dense weight of a packed linear is released (the LM head's stays: it may be the tied embedding).
 """
 
@@ -26,15 +32,19 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.cpu_attention import fused_ops_for
-from batchinfer.engine.native.cpu_features import cpu_has_vnni
+from batchinfer.engine.native.cpu_features import cpu_flags, cpu_has_vnni
 
-CPU_LINEAR_ENV = "BATCHINFER_CPU_LINEAR"  # "onednn" (default) or "aten" (plain F.linear, for A/B runs)
+# "auto" (default: "panel" on AVX2-only CPUs, else "onednn"), "onednn", "panel" or "aten" (plain F.linear)
+CPU_LINEAR_ENV = "BATCHINFER_CPU_LINEAR"
+CPU_LINEAR_MODES = ("auto", "onednn", "panel", "aten")
+PANEL_DTYPES = (torch.float32, torch.bfloat16)  # the weight dtypes pack_panels keeps
 
 TINY_ROW_MAX = 1e-12  # an all-zero row divides by this instead of 0 (it stays all zero)
 
@@ -65,6 +75,59 @@ class OneDnnLinear:
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.packed.dtype), self.packed, self.bias, "none", [],
                                                "")
         return y.to(x.dtype)
+
+
+class PanelLinear:
+    """x -> x @ weight.T + bias through the panel GEMM (csrc/panel_gemm.cpp) over the weight packed once.
+
+    The weight keeps its dtype (float32 or bfloat16, widened in registers); the arithmetic is float32 and
+    the output comes back in x's dtype. A class so that worker/native_step.py can hand the panels to the
+    C++ decoder stack (the same GEMM, called without Python).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, extension: Any) -> None:
+        self.panels = extension.pack_panels(weight.detach())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.out_features = int(weight.shape[0])
+        self._extension = extension
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # the engine's activations are [T, features]; keep any other caller working
+            return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        return self._extension.panel_linear(x, self.panels, self.bias, self.out_features)
+
+
+def panel_extension() -> Any:
+    """The native extension when its panel GEMM is built here (AVX2 + FMA), else None."""
+    ext = cpu_attention.load()
+    return ext if ext is not None and hasattr(ext, "panel_gemm_built") and ext.panel_gemm_built() else None
+
+
+def panel_gemm_preferred() -> bool:
+    """True on an AVX2 + FMA CPU without AVX-512 whose build has the panel GEMM ("auto" picks it there)."""
+    flags = cpu_flags()
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags and panel_extension() is not None
+
+
+def panel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:
+    """x -> x @ weight.T + bias through the panel GEMM (PanelLinear), or None where it cannot run."""
+    ext = panel_extension()
+    if ext is None or weight.dtype not in PANEL_DTYPES:
+        return None
+    return PanelLinear(weight, bias, ext)
+
+
+def cpu_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:
+    """The dense CPU kernel BATCHINFER_CPU_LINEAR picks for one linear, or None to keep F.linear.
+
+    "panel" where the panel GEMM cannot run (no AVX2 build, float16) falls back to oneDNN.
+    """
+    mode = cpu_linear_mode()
+    if mode == "aten":
+        return None
+    if mode == "panel" and (kernel := panel_linear(weight, bias)) is not None:
+        return kernel
+    return onednn_linear(weight, bias)
 
 
 def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:
@@ -134,10 +197,12 @@ def onednn_supports(dtype: torch.dtype) -> bool:
 
 
 def cpu_linear_mode() -> str:
-    """BATCHINFER_CPU_LINEAR, validated: 'onednn' (default) or 'aten'."""
-    mode = os.environ.get(CPU_LINEAR_ENV, "onednn")
-    if mode not in ("onednn", "aten"):
-        raise ValueError(f"{CPU_LINEAR_ENV} must be 'onednn' or 'aten'; got {mode!r}")
+    """BATCHINFER_CPU_LINEAR, validated and resolved: 'onednn', 'panel' or 'aten' ('auto' picks one)."""
+    mode = os.environ.get(CPU_LINEAR_ENV, "auto")
+    if mode not in CPU_LINEAR_MODES:
+        raise ValueError(f"{CPU_LINEAR_ENV} must be one of {', '.join(CPU_LINEAR_MODES)}; got {mode!r}")
+    if mode == "auto":
+        return "panel" if panel_gemm_preferred() else "onednn"
     return mode
 
 

@@ -7,10 +7,10 @@ same order from C++ over the weights the layers were packed into (weight_packing
 bit-identical to the Python loop, which stays as the fallback and the reference.
 
 What runs natively: a whole-model Llama (no pipeline stage, one tensor-parallel rank, no LoRA) on CPU in
-float32 / bfloat16 whose linears are oneDNN-prepacked, fbgemm int8 or plain dense, with the fused CPU
-kernels enabled. A decode-only step runs attention natively too (csrc/paged_attention.cpp); any other step
-(prefill chunks, or a KV cache the native kernel cannot read) calls back into the Attention layer once per
-layer (layers/attention.py stays the one attention entry). Set BATCHINFER_CPU_NATIVE_STEP=0 for the
+float32 / bfloat16 whose linears are panel-packed, oneDNN-prepacked, fbgemm int8 or plain dense, with the
+fused CPU kernels enabled. A decode-only step runs attention natively too (csrc/paged_attention.cpp); any
+other step (prefill chunks, or a KV cache the native kernel cannot read) calls back into the Attention layer
+once per layer (layers/attention.py stays the one attention entry). Set BATCHINFER_CPU_NATIVE_STEP=0 for the
 Python loop (A/B runs).
 """
 
@@ -26,7 +26,7 @@ from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.context import AttentionContext
 from batchinfer.engine.layers.linear import LinearBase
-from batchinfer.engine.layers.weight_packing import Int8Linear, OneDnnLinear
+from batchinfer.engine.layers.weight_packing import Int8Linear, OneDnnLinear, PanelLinear
 from batchinfer.engine.parallel.distributed import tp_world_size
 
 if TYPE_CHECKING:
@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 
 NATIVE_STEP_ENV = "BATCHINFER_CPU_NATIVE_STEP"  # "0": the Python layer loop instead (A/B runs)
 
-# One linear as the C++ stack takes it: (kind, weight, bias, fbgemm packed params, per_token, reduce_range)
-LinearSpec = tuple[int, torch.Tensor, torch.Tensor | None, object, bool, bool]
+# One linear as the C++ stack takes it: (kind, weight, bias, fbgemm packed params, per_token, reduce_range,
+# out_features (the panel GEMM's N; 0 for the others))
+LinearSpec = tuple[int, torch.Tensor, torch.Tensor | None, object, bool, bool, int]
 
 
 class NativeLinearKind(IntEnum):
@@ -44,6 +45,7 @@ class NativeLinearKind(IntEnum):
     ATEN = 0  # the dense weight, at::linear
     ONEDNN = 1  # oneDNN's prepacked weight, mkldnn::_linear_pointwise
     INT8 = 2  # fbgemm's packed int8 weight, quantized::linear_dynamic
+    PANEL = 3  # the panels of csrc/panel_gemm.cpp, panel_linear
 
 
 class DecoderStackHandle(Protocol):
@@ -69,14 +71,16 @@ def linear_spec(module: LinearBase) -> LinearSpec | None:
     if module.lora_key is not None:
         return None
     packed = module.packed
+    if isinstance(packed, PanelLinear):
+        return (NativeLinearKind.PANEL, packed.panels, packed.bias, None, False, False, packed.out_features)
     if isinstance(packed, OneDnnLinear):
-        return (NativeLinearKind.ONEDNN, packed.packed, packed.bias, None, False, False)
+        return (NativeLinearKind.ONEDNN, packed.packed, packed.bias, None, False, False, 0)
     if isinstance(packed, Int8Linear):
         bias = packed.float_bias if packed.per_token else None  # per tensor, the packed params hold it
         return (NativeLinearKind.INT8, torch.empty(0), bias, packed.packed, packed.per_token,
-                packed.reduce_range)
+                packed.reduce_range, 0)
     if packed is None and module.weight.numel() > 0:
-        return (NativeLinearKind.ATEN, module.weight.detach(), module.effective_bias(), None, False, False)
+        return (NativeLinearKind.ATEN, module.weight.detach(), module.effective_bias(), None, False, False, 0)
     return None
 
 

@@ -18,5 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_rows", torch::wrap_pybind_function(scale_rows), "scale_rows");
   m.def("q4_linear", torch::wrap_pybind_function(q4_linear), "q4_linear");
   m.def("q8_linear", torch::wrap_pybind_function(q8_linear), "q8_linear");
+  m.def("panel_gemm_built", &panel_gemm_built, "panel_gemm_built");
+  m.def("pack_panels", torch::wrap_pybind_function(pack_panels), "pack_panels");
+  m.def("panel_linear", torch::wrap_pybind_function(panel_linear), "panel_linear");
   bind_decoder_stack(m);
 }

@@ -43,3 +43,9 @@ std::vector<torch::Tensor> scale_rows(torch::Tensor x, double floor);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
                         int64_t tile_rows);
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, int64_t tile_rows);
+
+// panel_gemm.cpp
+bool panel_gemm_built();  // compiled with AVX2 + FMA (panel_linear runs)
+torch::Tensor pack_panels(torch::Tensor weight);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias,
+                           int64_t out_features);

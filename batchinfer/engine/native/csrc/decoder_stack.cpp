@@ -3,8 +3,8 @@
 // Why: the Python layer loop dispatches ~18 ops per layer (norms, the four linears, rotary, the K/V store,
 // attention, SiLU-and-mul, views) through nn.Module calls; on 2 cores that interpreter time between the
 // kernels is 10-40% of a small decode step (int8, whose GEMMs are fastest, loses most). This loop calls the
-// same kernels in the same order (fused_ops.cpp, paged_attention.cpp, oneDNN's prepacked GEMM or fbgemm's
-// dynamic int8 GEMM through the dispatcher), so its output is bit-identical to the Python path.
+// same kernels in the same order (fused_ops.cpp, paged_attention.cpp, panel_gemm.cpp, oneDNN's prepacked GEMM
+// or fbgemm's dynamic int8 GEMM through the dispatcher), so its output is bit-identical to the Python path.
 //
 // A step that is not decode-only (prefill chunks, whose attention runs as padded SDPA groups) or whose KV
 // cache the native kernel cannot read passes `attention`, a Python callable (layer, q, k, v) -> [T, H * D]:
@@ -22,12 +22,14 @@ namespace {
 constexpr double kTinyRowMax = 1e-12;  // weight_packing.TINY_ROW_MAX: an all-zero row stays all zero
 
 // How a linear's weight is packed (weight_packing.py's kernels; the values are NativeLinearKind there).
-enum LinearKind : int64_t { kAtenLinear = 0, kOneDnnLinear = 1, kInt8Linear = 2 };
+enum LinearKind : int64_t { kAtenLinear = 0, kOneDnnLinear = 1, kInt8Linear = 2, kPanelLinear = 3 };
 
 struct NativeLinear {
   int64_t kind = kAtenLinear;
   torch::Tensor weight;                // aten: the dense [N, K] weight; oneDNN: the prepacked weight (float32
-                                       // under bf16 activations where oneDNN has no bf16 GEMM)
+                                       // under bf16 activations where oneDNN has no bf16 GEMM); panel: the
+                                       // [P, K, 16] panels of pack_panels
+  int64_t out_features = 0;            // panel: N (the last panel may be padded)
   c10::optional<torch::Tensor> bias;   // aten / oneDNN: in the GEMM; int8 per token: added after rescaling
   c10::IValue packed;                  // int8: fbgemm's LinearPackedParamsBase (its bias inside, per tensor)
   bool per_token = false;              // int8: each row scaled to max 1 around the GEMM
@@ -35,6 +37,7 @@ struct NativeLinear {
 };
 
 torch::Tensor run_linear(const NativeLinear& l, const torch::Tensor& x) {
+  if (l.kind == kPanelLinear) return panel_linear(x, l.weight, l.bias, l.out_features);
   if (l.kind == kOneDnnLinear) {
     static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     // A float32 weight under bf16 activations: bf16 where oneDNN has no bf16 GEMM (weight_packing's
@@ -70,11 +73,12 @@ torch::Tensor run_linear(const NativeLinear& l, const torch::Tensor& x) {
 }
 
 NativeLinear make_linear(int64_t kind, torch::Tensor weight, c10::optional<torch::Tensor> bias,
-                         py::object packed,
-                         bool per_token, bool reduce_range) {
-  TORCH_CHECK(kind == kAtenLinear || kind == kOneDnnLinear || kind == kInt8Linear, "unknown linear kind");
+                         py::object packed, bool per_token, bool reduce_range, int64_t out_features) {
+  TORCH_CHECK(kind == kAtenLinear || kind == kOneDnnLinear || kind == kInt8Linear || kind == kPanelLinear,
+              "unknown linear kind");
   NativeLinear l;
   l.kind = kind;
+  l.out_features = out_features;
   l.weight = std::move(weight);
   l.bias = std::move(bias);
   if (kind == kInt8Linear) {
@@ -104,7 +108,8 @@ class DecoderStack {
       : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps),
         final_norm_(std::move(final_norm)) {}
 
-  // Linears as (kind, weight, bias, packed, per_token, reduce_range) tuples: qkv, o, gate_up, down.
+  // Linears as (kind, weight, bias, packed, per_token, reduce_range, out_features) tuples: qkv, o, gate_up,
+  // down.
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
                  std::vector<py::tuple> linears) {
     TORCH_CHECK(linears.size() == 4, "four linears: qkv, o_proj, gate_up, down");
@@ -112,7 +117,7 @@ class DecoderStack {
     for (const auto& t : linears)
       made.push_back(make_linear(t[0].cast<int64_t>(), t[1].cast<torch::Tensor>(),
                                  t[2].cast<c10::optional<torch::Tensor>>(), t[3].cast<py::object>(),
-                                 t[4].cast<bool>(), t[5].cast<bool>()));
+                                 t[4].cast<bool>(), t[5].cast<bool>(), t[6].cast<int64_t>()));
     layers_.push_back(DecoderLayer{std::move(input_norm), std::move(post_attention_norm), made[0], made[1],
                                    made[2], made[3], torch::Tensor(), torch::Tensor()});
   }

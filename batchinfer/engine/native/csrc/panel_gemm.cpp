@@ -1,0 +1,179 @@
+// y = x @ W.T (+ bias) over a weight packed once into column panels: the linears of an AVX2-only CPU
+// (engine/layers/weight_packing.py's PanelLinear).
+//
+// Why: a decode step's GEMMs have few rows (one per sequence) against weights that stream from memory
+// every step. oneDNN's AVX2 fp32 GEMM (AVX2-only CPUs have no brgemm) paid its weight traffic and its
+// arithmetic one after the other: on the AVX2 bench machine a step's 121 GEMMs of SmolLM2 took ~45 ms of
+// weight streaming plus ~1.75 ms per row. Here each thread streams its own contiguous run of panels once
+// and multiplies every row against a panel while it sits in L1/L2, in a 6 x 16 register tile.
+//
+// Layout (pack_panels): [P, K, 16] with P = ceil(N / 16); element (p, k, j) is W[16 p + j, k], the last
+// panel zero-padded. float32 or bfloat16: a bf16 panel is widened to float32 once per thread and panel
+// (exactly: a bf16 is the high half of a float32), so bf16 weights stream half the bytes and the
+// arithmetic stays float32 (bf16 activations are widened on entry and the output rounded back once).
+// Summation runs in k order per output, so results differ from oneDNN's in the last bits only.
+
+#include "cpu_kernels.h"
+
+namespace {
+
+constexpr int64_t kPanel = 16;    // output columns per panel: two 8-float registers
+constexpr int64_t kTileRows = 6;  // rows per register tile: 12 accumulators + 2 weights + 1 broadcast
+// Rows of x per pass over the panels: x's rows stay in L2 while the thread's panels go by (more rows
+// are prefill, whose weights come back from L3 once per pass).
+constexpr int64_t kRowsPerPass = 126;
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+#define PANEL_ROW(i)                                                              \
+  if constexpr (R > i) {                                                          \
+    const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);                        \
+    acc##i##0 = _mm256_fmadd_ps(a, w0, acc##i##0);                                \
+    acc##i##1 = _mm256_fmadd_ps(a, w1, acc##i##1);                                \
+  }
+#define PANEL_STORE(i)                                                            \
+  if constexpr (R > i) store_tile_row(acc##i##0, acc##i##1, bias, y + i * ldy, columns);
+
+inline void store_tile_row(__m256 lo, __m256 hi, const float* bias, float* y, int64_t columns) {
+  if (bias != nullptr) {
+    if (columns == kPanel) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + 8));
+    } else {
+      alignas(32) float padded[kPanel] = {};
+      std::memcpy(padded, bias, columns * sizeof(float));
+      lo = _mm256_add_ps(lo, _mm256_load_ps(padded));
+      hi = _mm256_add_ps(hi, _mm256_load_ps(padded + 8));
+    }
+  }
+  if (columns == kPanel) {
+    _mm256_storeu_ps(y, lo);
+    _mm256_storeu_ps(y + 8, hi);
+    return;
+  }
+  alignas(32) float row[kPanel];
+  _mm256_store_ps(row, lo);
+  _mm256_store_ps(row + 8, hi);
+  std::memcpy(y, row, columns * sizeof(float));
+}
+
+// R rows of x [R, K] (row stride ldx) times one float32 panel [K, 16] -> y [R, columns] (row stride ldy).
+// Named accumulators, not an array: GCC kept an array's registers but stored them to the stack on every k.
+template <int R>
+void panel_tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t K,
+                const float* bias, float* __restrict y, int64_t ldy, int64_t columns) {
+  __m256 acc00 = _mm256_setzero_ps(), acc01 = acc00, acc10 = acc00, acc11 = acc00, acc20 = acc00,
+         acc21 = acc00, acc30 = acc00, acc31 = acc00, acc40 = acc00, acc41 = acc00, acc50 = acc00,
+         acc51 = acc00;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    PANEL_ROW(0) PANEL_ROW(1) PANEL_ROW(2) PANEL_ROW(3) PANEL_ROW(4) PANEL_ROW(5)
+  }
+  PANEL_STORE(0) PANEL_STORE(1) PANEL_STORE(2) PANEL_STORE(3) PANEL_STORE(4) PANEL_STORE(5)
+}
+
+#undef PANEL_ROW
+#undef PANEL_STORE
+
+void widen_panel(const bf16* __restrict panel, int64_t count, float* __restrict out) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(panel);
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  for (; i < count; ++i) out[i] = static_cast<float>(panel[i]);
+}
+
+// Rows [row0, row0 + rows) of x against panels [p0, p1).
+template <typename W>
+void run_panels(const float* x, int64_t K, const W* panels, const float* bias, float* y, int64_t N,
+                int64_t row0, int64_t rows, int64_t p0, int64_t p1, std::vector<float>& widened) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel;
+    if constexpr (std::is_same_v<W, float>) {
+      panel = panels + p * K * kPanel;
+    } else {
+      widen_panel(panels + p * K * kPanel, K * kPanel, widened.data());
+      panel = widened.data();
+    }
+    const int64_t columns = std::min(kPanel, N - p * kPanel);
+    const float* panel_bias = bias != nullptr ? bias + p * kPanel : nullptr;
+    for (int64_t r = row0; r < row0 + rows; r += kTileRows) {
+      const float* xr = x + r * K;
+      float* yr = y + r * N + p * kPanel;
+      switch (std::min(kTileRows, row0 + rows - r)) {  // a compile-time tile: its accumulators in registers
+        case 6: panel_tile<6>(xr, K, panel, K, panel_bias, yr, N, columns); break;
+        case 5: panel_tile<5>(xr, K, panel, K, panel_bias, yr, N, columns); break;
+        case 4: panel_tile<4>(xr, K, panel, K, panel_bias, yr, N, columns); break;
+        case 3: panel_tile<3>(xr, K, panel, K, panel_bias, yr, N, columns); break;
+        case 2: panel_tile<2>(xr, K, panel, K, panel_bias, yr, N, columns); break;
+        default: panel_tile<1>(xr, K, panel, K, panel_bias, yr, N, columns); break;
+      }
+    }
+  }
+}
+
+#endif
+
+}  // namespace
+
+bool panel_gemm_built() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor pack_panels(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_panels: a [N, K] weight");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "pack_panels: a float32 or bfloat16 weight");
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  torch::Tensor padded = weight;
+  if (N != P * kPanel) padded = torch::cat({weight, weight.new_zeros({P * kPanel - N, K})});
+  // [P * 16, K] -> [P, 16, K] -> [P, K, 16]
+  return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias,
+                           int64_t out_features) {
+#if defined(__AVX2__) && defined(__FMA__)
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && x.size(1) == panels.size(1),
+              "panel_linear: x [M, K] and panels [P, K, 16]");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = out_features;
+  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "panel_linear: out_features does not fit the panels");
+  TORCH_CHECK(panels.is_contiguous() &&
+                  (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16),
+              "panel_linear: contiguous float32 or bfloat16 panels");
+  const auto out_dtype = x.scalar_type();
+  torch::Tensor xf = x.to(at::kFloat).contiguous();
+  torch::Tensor bf;
+  if (bias.has_value() && bias->numel() > 0) {
+    TORCH_CHECK(bias->numel() == N, "panel_linear: bias of out_features values");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  torch::Tensor y = torch::empty({M, N}, xf.options());
+  if (M == 0) return y.to(out_dtype);
+  const float* xp = xf.data_ptr<float>();
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const bool widen = panels.scalar_type() == at::kBFloat16;
+  // Each thread takes one contiguous run of panels (they stream from memory once per pass) and, pass by
+  // pass, every row against it.
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> widened(widen ? K * kPanel : 0);
+    for (int64_t row0 = 0; row0 < M; row0 += kRowsPerPass) {
+      const int64_t rows = std::min(kRowsPerPass, M - row0);
+      if (widen)
+        run_panels(xp, K, panels.data_ptr<at::BFloat16>(), bp, yp, N, row0, rows, p0, p1, widened);
+      else
+        run_panels(xp, K, panels.data_ptr<float>(), bp, yp, N, row0, rows, p0, p1, widened);
+    }
+  });
+  return out_dtype == at::kFloat ? y : y.to(out_dtype);
+#else
+  TORCH_CHECK(false, "panel_linear: this build has no AVX2/FMA (panel_gemm_built() is false)");
+#endif
+}

@@ -1,0 +1,102 @@
+"""The panel GEMM of AVX2-only CPUs (csrc/panel_gemm.cpp, weight_packing.PanelLinear) against float64
+products: every row-tile remainder, padded panels, odd K, bias, bfloat16 weights and activations, the
+multi-pass rows of a prefill; and where BATCHINFER_CPU_LINEAR picks it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchinfer.engine.layers import weight_packing
+from batchinfer.engine.native.cpu_features import cpu_flags
+from tests.engine.test_models import FakeSeq, ScatteredBlocks, make_runner, run_step
+
+EXT = weight_packing.panel_extension()
+needs_panel = pytest.mark.skipif(EXT is None, reason="the panel GEMM needs an AVX2 + FMA build")
+
+
+def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    return x, weight, bias
+
+
+@needs_panel
+@pytest.mark.parametrize("m", [*range(1, 14), 96, 127, 300])
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 7), (200, 1), (96, 576)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_panel_linear_is_the_float32_product(m: int, n: int, k: int, with_bias: bool) -> None:
+    x, weight, bias = _case(m, n, k, torch.float32, seed=m * 1000 + n + k)
+    kernel = weight_packing.PanelLinear(weight, bias if with_bias else None, EXT)
+    out = kernel(x)
+    exact = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    # float32 sums of k products and the bias: within k + 1 roundings of the sum of magnitudes
+    magnitude = x.double().abs() @ weight.double().abs().T + (bias.double().abs() if with_bias else 0)
+    bound = magnitude * (k + 1) * 2.0 ** -24 + 1e-30
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+@needs_panel
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 96])
+def test_bf16_panels_are_the_bf16_gemm_up_to_summation_order(m: int) -> None:
+    """bf16 weights stay bf16 in memory and are widened exactly; bf16 x bf16 products are exact in float32,
+    so the output is the float64 product rounded once to bf16, give or take float32 summation."""
+    x, weight, bias = _case(m, 72, 64, torch.bfloat16, seed=m)
+    kernel = weight_packing.PanelLinear(weight, bias, EXT)
+    assert kernel.panels.dtype == torch.bfloat16
+    out = kernel(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, 72)
+    exact = x.double() @ weight.double().T + bias.double()
+    assert ((out.double() - exact).abs() <= exact.abs() * 2.0 ** -7 + 1e-5).all()
+
+
+@needs_panel
+def test_panel_linear_keeps_leading_dimensions_and_refuses_a_wrong_width() -> None:
+    x, weight, _ = _case(6, 24, 32, torch.float32, seed=3)
+    kernel = weight_packing.PanelLinear(weight, None, EXT)
+    out = kernel(x.view(2, 3, 32))
+    torch.testing.assert_close(out, (x @ weight.T).view(2, 3, 24), atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\] and panels"):
+        kernel(torch.randn(4, 31))
+    with pytest.raises(RuntimeError, match="out_features does not fit"):
+        EXT.panel_linear(x, kernel.panels, None, 40)
+
+
+def test_cpu_linear_mode_resolves_auto_by_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(weight_packing.CPU_LINEAR_ENV, raising=False)
+    avx2_only = {"avx2", "fma"} <= cpu_flags() and "avx512f" not in cpu_flags() and EXT is not None
+    assert weight_packing.cpu_linear_mode() == ("panel" if avx2_only else "onednn")
+    monkeypatch.setenv(weight_packing.CPU_LINEAR_ENV, "onednn")
+    assert weight_packing.cpu_linear_mode() == "onednn"
+    monkeypatch.setenv(weight_packing.CPU_LINEAR_ENV, "mkl")
+    with pytest.raises(ValueError, match="BATCHINFER_CPU_LINEAR must be one of auto, onednn, panel, aten"):
+        weight_packing.cpu_linear_mode()
+
+
+@needs_panel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_with_panel_linears_matches_onednn(tiny_llama: Path, dtype: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill and decode steps with every linear and the head on panels: oneDNN's logits up to rounding."""
+    logits = {}
+    for mode in ("panel", "onednn"):
+        monkeypatch.setenv(weight_packing.CPU_LINEAR_ENV, mode)
+        runner = make_runner(tiny_llama, dtype=dtype)
+        expected = weight_packing.PanelLinear if mode == "panel" else weight_packing.OneDnnLinear
+        assert isinstance(runner.model.lm_head.packed, expected)
+        assert isinstance(runner.model.model.layers[0].self_attn.qkv_proj.packed, expected)
+        pool = ScatteredBlocks(256, 4)
+        seqs = [FakeSeq([5, 9, 2, 7, 11, 3]), FakeSeq([8, 1, 4])]
+        steps = [run_step(runner, pool, [(seq, len(seq.token_ids)) for seq in seqs])]
+        for token in (6, 10):
+            for seq in seqs:
+                seq.token_ids.append(token)
+            steps.append(run_step(runner, pool, [(seq, 1) for seq in seqs]))
+        logits[mode] = torch.cat(steps).float()
+    tolerance = 1e-4 if dtype == "float32" else 5e-2
+    torch.testing.assert_close(logits["panel"], logits["onednn"], atol=tolerance, rtol=tolerance)
