@@ -42,7 +42,7 @@ def test_panel_linear_is_the_float32_product(m: int, n: int, k: int, with_bias: 
 
 
 @needs_panel
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 96])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 12, 13, 96, 130])
 def test_bf16_panels_are_the_bf16_gemm_up_to_summation_order(m: int) -> None:
     """bf16 weights stay bf16 in memory and are widened exactly; bf16 x bf16 products are exact in float32,
     so the output is the float64 product rounded once to bf16, give or take float32 summation."""

@@ -1,0 +1,87 @@
+"""The panel GEMM against oneDNN's prepacked GEMM over a whole model's linears, weights streamed from memory.
+
+A decode step multiplies a few rows (one per sequence) by every weight of the model once, so the weights
+come from memory, not cache: this runs the 121 GEMMs of a SmolLM2-135M-shaped model (30 layers of qkv, o,
+gate_up, down, then the LM head; random weights, fp32 or bf16) as one "step" at each row count, through
+weight_packing.PanelLinear (csrc/panel_gemm.cpp) and OneDnnLinear, alternating, and prints the median
+step time, GFLOP/s and weight GB/s of each and their ratio. The panel GEMM needs an AVX2 + FMA build.
+
+    .venv/bin/python bench/panel_gemm.py --rows 1 8 32 96 --dtype float32
+"""
+
+from __future__ import annotations
+
+import os
+
+from batchinfer.engine.native.threads import configure_openmp_env, usable_cores
+
+os.environ.setdefault("OMP_NUM_THREADS", str(usable_cores()))
+configure_openmp_env()  # before torch is imported (OpenMP reads its wait policy then)
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+
+import torch  # noqa: E402
+
+from batchinfer.engine.layers import weight_packing  # noqa: E402
+
+HIDDEN, INTERMEDIATE, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30  # SmolLM2-135M
+
+
+def model_weights(dtype: torch.dtype) -> list[torch.Tensor]:
+    """The [N, K] weights of one step's GEMMs: per layer qkv, o, gate_up, down; then the head."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS
+    return [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for n, k in [*shapes, (VOCAB, HIDDEN)]]
+
+
+def step_seconds(kernels: Sequence[Callable[[torch.Tensor], torch.Tensor]], inputs: dict[int, torch.Tensor],
+                 widths: Sequence[int]) -> float:
+    """Wall time of one pass over every GEMM (input width K per kernel)."""
+    start = time.perf_counter()
+    for kernel, width in zip(kernels, widths, strict=True):
+        kernel(inputs[width])
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    """Print each row count's median step time through both GEMMs."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 48, 64, 96])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    extension = weight_packing.panel_extension()
+    if extension is None:
+        raise SystemExit("the panel GEMM is not built here (it needs AVX2 + FMA)")
+    dtype = getattr(torch, args.dtype)
+    weights = model_weights(dtype)
+    widths = [int(w.shape[1]) for w in weights]
+    panel = [weight_packing.PanelLinear(w, None, extension) for w in weights]
+    onednn = [weight_packing.onednn_linear(w, None) for w in weights]
+    if any(kernel is None for kernel in onednn):
+        raise SystemExit(f"oneDNN does not run {args.dtype} GEMMs here")
+    onednn_kernels = [k for k in onednn if k is not None]
+    flops_per_row = 2 * sum(w.numel() for w in weights)
+    weight_bytes = sum(p.panels.numel() * p.panels.element_size() for p in panel)
+    print(f"{torch.get_num_threads()} threads, {args.dtype}, {len(weights)} GEMMs, "
+          f"{weight_bytes / 1e6:.0f} MB of panels per step")
+    for rows in args.rows:
+        inputs = {k: torch.randn(rows, k).to(dtype) for k in set(widths)}
+        times: dict[str, list[float]] = {"panel": [], "onednn": []}
+        for _ in range(args.repeats):  # alternating, so a noisy moment hits both
+            times["panel"].append(step_seconds(panel, inputs, widths))
+            times["onednn"].append(step_seconds(onednn_kernels, inputs, widths))
+        line = [f"rows {rows:4d}"]
+        for name, seconds in times.items():
+            t = statistics.median(seconds)
+            line.append(f"{name} {t * 1e3:7.1f} ms ({flops_per_row * rows / t / 1e9:6.1f} GFLOP/s, "
+                        f"{weight_bytes / t / 1e9:5.1f} GB/s)")
+        ratio = statistics.median(times["onednn"]) / statistics.median(times["panel"])
+        print("  ".join(line) + f"  panel {ratio:.2f}x oneDNN", flush=True)
+
+
+if __name__ == "__main__":
+    main()
