@@ -25,7 +25,7 @@ ENV_PREFIX = "BATCHINFER_"
 OTHER_ENV_VARS = frozenset({
     "BATCHINFER_CONFIG",         # the TOML file (this module)
     "BATCHINFER_CACHE_DIR",      # converted models (batchinfer.engine.model_files)
-    "BATCHINFER_CPU_ATTENTION",  # "sdpa" selects the pure-torch CPU attention (engine.layers.cpu_attention)
+    "BATCHINFER_CPU_ATTENTION",  # "sdpa": no native CPU extension (attention, fused ops, panel GEMM)
     "BATCHINFER_CPU_LINEAR",     # auto / onednn / panel / aten: the CPU GEMM (engine.layers.weight_packing)
     "BATCHINFER_CPU_FUSED",      # "0": no fused CPU rotary / SiLU-and-mul (engine.layers.cpu_attention)
     "BATCHINFER_KERNEL_DIR",     # where native CPU kernels are built and found (engine.native.build)

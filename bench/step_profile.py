@@ -5,8 +5,9 @@ Runs the issue-21 workload (N chat prompts on SmolLM2-135M-Instruct, per-request
 per --config (dtype[:quantization][+flag...], e.g. float32 bfloat16 float32:int8), alternating --rounds
 times so the configurations share the same window, and prints tok/s, tokens per CPU-second (os.times) and
 load. Flags rebuild the engine as it was before issue 21's speed work, for paired A/B runs: +aten (plain
-F.linear, no oneDNN/int8 packing), +nofuse (torch ops instead of the fused norm/rotary/SiLU kernels),
-+sdpa (decode attention through the padded SDPA path instead of the native kernel), +pystep (the Python
+F.linear, no oneDNN/int8 packing), +onednn / +panel (that dense GEMM; default: BATCHINFER_CPU_LINEAR=auto;
+the panel GEMM is not a dispatcher op, so --profile counts its time under "other"), +nofuse (torch ops
+instead of the fused norm/rotary/SiLU kernels), +sdpa (decode attention through the padded SDPA path instead of the native kernel), +pystep (the Python
 layer loop instead of issue 34's native step, csrc/decoder_stack.cpp).
 --profile adds a torch.profiler table of one run of each configuration, grouped into GEMMs, attention,
 elementwise/norm/rotary and the rest.
@@ -99,7 +100,8 @@ def main() -> None:
     for entry in args.configs:
         spec, *flags = entry.split("+")
         dtype, _, quant = spec.partition(":")
-        os.environ[weight_packing.CPU_LINEAR_ENV] = "aten" if "aten" in flags else "onednn"
+        linear = next((mode for mode in ("aten", "onednn", "panel") if mode in flags), "auto")
+        os.environ[weight_packing.CPU_LINEAR_ENV] = linear
         os.environ[native_step.NATIVE_STEP_ENV] = "0" if "pystep" in flags else "1"
         cpu_attention._FUSED_OFF = "nofuse" in flags  # before the build: the native step needs the fused ops
         llms[entry] = LLM(args.model, dtype=dtype, device="cpu", quantization=quant or None)

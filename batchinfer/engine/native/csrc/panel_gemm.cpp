@@ -9,9 +9,9 @@
 //
 // Layout (pack_panels): [P, K, 16] with P = ceil(N / 16); element (p, k, j) is W[16 p + j, k], the last
 // panel zero-padded. float32 or bfloat16: a bf16 panel is widened to float32 (exactly: a bf16 is the
-// high half of a float32) in registers when at most two tiles read it, else once per thread and panel into
-// a buffer, so bf16 weights stream half the bytes and the arithmetic stays float32 (bf16 activations are
-// widened on entry and the output rounded back once).
+// high half of a float32) in registers when at most two tiles read it, else once per row pass and panel
+// into a thread's buffer, so bf16 weights stream half the bytes and the arithmetic stays float32 (bf16
+// activations are widened on entry and the output rounded back once).
 // Summation runs in k order per output, so results differ from oneDNN's in the last bits only.
 
 #include "cpu_kernels.h"
@@ -150,9 +150,10 @@ torch::Tensor pack_panels(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_panels: a [N, K] weight");
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
               "pack_panels: a float32 or bfloat16 weight");
+  TORCH_CHECK(weight.device().is_cpu(), "pack_panels: a CPU weight");
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
-  torch::Tensor padded = weight;
-  if (N != P * kPanel) padded = torch::cat({weight, weight.new_zeros({P * kPanel - N, K})});
+  torch::Tensor padded = weight.contiguous();
+  if (N != P * kPanel) padded = torch::cat({padded, padded.new_zeros({P * kPanel - N, K})});
   // [P * 16, K] -> [P, 16, K] -> [P, K, 16]
   return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
 }
@@ -162,6 +163,9 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
 #if defined(__AVX2__) && defined(__FMA__)
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && x.size(1) == panels.size(1),
               "panel_linear: x [M, K] and panels [P, K, 16]");
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() &&
+                  (!bias.has_value() || bias->device().is_cpu()),
+              "panel_linear: CPU tensors");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = out_features;
   TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "panel_linear: out_features does not fit the panels");
   TORCH_CHECK(panels.is_contiguous() &&
@@ -195,5 +199,6 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   return out_dtype == at::kFloat ? y : y.to(out_dtype);
 #else
   TORCH_CHECK(false, "panel_linear: this build has no AVX2/FMA (panel_gemm_built() is false)");
+  return {};
 #endif
 }
