@@ -7,8 +7,9 @@ times so the configurations share the same window, and prints tok/s, tokens per 
 load. Flags rebuild the engine as it was before issue 21's speed work, for paired A/B runs: +aten (plain
 F.linear, no oneDNN/int8 packing), +onednn / +panel (that dense GEMM; default: BATCHINFER_CPU_LINEAR=auto;
 the panel GEMM is not a dispatcher op, so --profile counts its time under "other"), +nofuse (torch ops
-instead of the fused norm/rotary/SiLU kernels), +sdpa (decode attention through the padded SDPA path instead of the native kernel), +pystep (the Python
-layer loop instead of issue 34's native step, csrc/decoder_stack.cpp).
+instead of the fused norm/rotary/SiLU kernels), +sdpa (decode attention through the padded SDPA path
+instead of the native kernel), +pystep (the Python layer loop instead of issue 34's native step,
+csrc/decoder_stack.cpp).
 --profile adds a torch.profiler table of one run of each configuration, grouped into GEMMs, attention,
 elementwise/norm/rotary and the rest.
 
