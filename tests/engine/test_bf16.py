@@ -113,7 +113,7 @@ def test_bf16_linear_layers_are_prepacked_with_or_without_onednn_bf16(tiny_llama
     assert runner.model.lm_head.weight.numel() > 0  # the head's matrix stays (it may be the embedding)
     qkv, head = layer.self_attn.qkv_proj.packed, runner.model.lm_head.packed
     assert layer.mlp.down_proj.weight.numel() == 0
-    if cpu_linear_mode() == "panel":  # AVX2-only: the panel GEMM, its weights bf16 in memory
+    if cpu_linear_mode(torch.bfloat16) == "panel":  # AVX2-only: the panel GEMM, its weights bf16 in memory
         assert isinstance(qkv, PanelLinear) and isinstance(head, PanelLinear)
         assert qkv.panels.dtype == head.panels.dtype == torch.bfloat16
         return

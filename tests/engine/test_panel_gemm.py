@@ -1,6 +1,7 @@
-"""The panel GEMM of AVX2-only CPUs (csrc/panel_gemm.cpp, weight_packing.PanelLinear) against float64
-products: every row-tile remainder, padded panels, odd K, bias, bfloat16 weights and activations, the
-multi-pass rows of a prefill; and where BATCHINFER_CPU_LINEAR picks it."""
+"""The panel GEMM (csrc/panel_gemm.cpp, weight_packing.PanelLinear; AVX2 tiles, or AVX-512 ones where the
+build has AVX-512F) against float64 products: every row-tile remainder, padded panels, odd K, K a multiple
+of 256 (x copied at a longer stride), bias, bfloat16 weights and activations, the multi-pass rows of a
+prefill; and where BATCHINFER_CPU_LINEAR picks it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 import torch
 
 from batchinfer.engine.layers import weight_packing
-from batchinfer.engine.native.cpu_features import cpu_flags
 from tests.engine.test_models import FakeSeq, ScatteredBlocks, make_runner, run_step
 
 EXT = weight_packing.panel_extension()
@@ -26,8 +26,8 @@ def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.
 
 
 @needs_panel
-@pytest.mark.parametrize("m", [*range(1, 14), 96, 127, 300])
-@pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 7), (200, 1), (96, 576)])
+@pytest.mark.parametrize("m", [*range(1, 16), 28, 29, 96, 127, 300])
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 7), (200, 1), (96, 576), (24, 512)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_panel_linear_is_the_float32_product(m: int, n: int, k: int, with_bias: bool) -> None:
     x, weight, bias = _case(m, n, k, torch.float32, seed=m * 1000 + n + k)
@@ -42,7 +42,7 @@ def test_panel_linear_is_the_float32_product(m: int, n: int, k: int, with_bias: 
 
 
 @needs_panel
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 12, 13, 96, 130])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 12, 13, 14, 15, 29, 96, 130])
 def test_bf16_panels_are_the_bf16_gemm_up_to_summation_order(m: int) -> None:
     """bf16 weights stay bf16 in memory and are widened exactly; bf16 x bf16 products are exact in float32,
     so the output is the float64 product rounded once to bf16, give or take float32 summation."""
@@ -67,10 +67,15 @@ def test_panel_linear_keeps_leading_dimensions_and_refuses_a_wrong_width() -> No
         EXT.panel_linear(x, kernel.panels, None, 40)
 
 
-def test_cpu_linear_mode_resolves_auto_by_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_linear_mode_resolves_auto_by_cpu_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: the panel GEMM wherever it is built, but bf16 weights stay on oneDNN's bf16 GEMM where there is
+    one (AVX-512 BF16); float16 (no panels) stays on oneDNN."""
     monkeypatch.delenv(weight_packing.CPU_LINEAR_ENV, raising=False)
-    avx2_only = {"avx2", "fma"} <= cpu_flags() and "avx512f" not in cpu_flags() and EXT is not None
-    assert weight_packing.cpu_linear_mode() == ("panel" if avx2_only else "onednn")
+    built = EXT is not None
+    assert weight_packing.cpu_linear_mode(torch.float32) == ("panel" if built else "onednn")
+    bf16_on_panels = built and not weight_packing.onednn_supports(torch.bfloat16)
+    assert weight_packing.cpu_linear_mode(torch.bfloat16) == ("panel" if bf16_on_panels else "onednn")
+    assert weight_packing.cpu_linear_mode(torch.float16) == "onednn"
     monkeypatch.setenv(weight_packing.CPU_LINEAR_ENV, "onednn")
     assert weight_packing.cpu_linear_mode() == "onednn"
     monkeypatch.setenv(weight_packing.CPU_LINEAR_ENV, "mkl")

@@ -71,7 +71,7 @@ class QuantizationFormat:
 
 
 class Dense(QuantizationFormat):
-    """No quantization: the model's own dtype; the panel GEMM (AVX2-only CPUs) or oneDNN's prepacked GEMM."""
+    """No quantization: the model's own dtype, on the panel GEMM or oneDNN's (cpu_linear_kernel)."""
 
 
 class Int8(QuantizationFormat):

@@ -39,9 +39,10 @@ from torch import nn
 
 from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.cpu_attention import fused_ops_for
-from batchinfer.engine.native.cpu_features import cpu_flags, cpu_has_vnni
+from batchinfer.engine.native.cpu_features import cpu_has_vnni
 
-# "auto" (default: "panel" on AVX2-only CPUs, else "onednn"), "onednn", "panel" or "aten" (plain F.linear)
+# "auto" (default: "panel" where it is built, except bf16 weights where oneDNN has a bf16 GEMM, which take
+# "onednn"), "onednn", "panel" or "aten" (plain F.linear)
 CPU_LINEAR_ENV = "BATCHINFER_CPU_LINEAR"
 CPU_LINEAR_MODES = ("auto", "onednn", "panel", "aten")
 PANEL_DTYPES = (torch.float32, torch.bfloat16)  # the weight dtypes pack_panels keeps
@@ -103,10 +104,16 @@ def panel_extension() -> Any:
     return ext if ext is not None and hasattr(ext, "panel_gemm_built") and ext.panel_gemm_built() else None
 
 
-def panel_gemm_preferred() -> bool:
-    """True on an AVX2 + FMA CPU without AVX-512 whose build has the panel GEMM ("auto" picks it there)."""
-    flags = cpu_flags()
-    return {"avx2", "fma"} <= flags and "avx512f" not in flags and panel_extension() is not None
+def panel_gemm_preferred(dtype: torch.dtype) -> bool:
+    """True where "auto" picks the panel GEMM for weights of this dtype.
+
+    That is wherever it is built (AVX2 + FMA, or AVX-512), except bf16 weights where oneDNN has a bf16 GEMM
+    (AVX-512 BF16): its bf16 dot products do twice the panel GEMM's float32 FMAs from 8 rows up
+    (bench/panel_gemm.py), while float32 and AVX2-only bf16 stream faster through the panels.
+    """
+    if dtype not in PANEL_DTYPES or panel_extension() is None:
+        return False
+    return dtype == torch.float32 or not onednn_supports(torch.bfloat16)
 
 
 def panel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:
@@ -122,7 +129,7 @@ def cpu_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear
 
     "panel" where the panel GEMM cannot run (no AVX2 build, float16) falls back to oneDNN.
     """
-    mode = cpu_linear_mode()
+    mode = cpu_linear_mode(weight.dtype)
     if mode == "aten":
         return None
     if mode == "panel" and (kernel := panel_linear(weight, bias)) is not None:
@@ -196,13 +203,13 @@ def onednn_supports(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def cpu_linear_mode() -> str:
-    """BATCHINFER_CPU_LINEAR, validated and resolved: 'onednn', 'panel' or 'aten' ('auto' picks one)."""
+def cpu_linear_mode(dtype: torch.dtype = torch.float32) -> str:
+    """BATCHINFER_CPU_LINEAR, validated and resolved for weights of dtype: 'onednn', 'panel' or 'aten'."""
     mode = os.environ.get(CPU_LINEAR_ENV, "auto")
     if mode not in CPU_LINEAR_MODES:
         raise ValueError(f"{CPU_LINEAR_ENV} must be one of {', '.join(CPU_LINEAR_MODES)}; got {mode!r}")
     if mode == "auto":
-        return "panel" if panel_gemm_preferred() else "onednn"
+        return "panel" if panel_gemm_preferred(dtype) else "onednn"
     return mode
 
 

@@ -1,24 +1,26 @@
-// y = x @ W.T (+ bias) over a weight packed once into column panels: the linears of an AVX2-only CPU
-// (engine/layers/weight_packing.py's PanelLinear).
+// y = x @ W.T (+ bias) over a weight packed once into column panels: the float32 linears of every CPU with
+// AVX2 + FMA, and the bfloat16 ones where oneDNN has no bf16 GEMM (engine/layers/weight_packing.py's
+// PanelLinear).
 //
 // Why: a decode step's GEMMs have few rows (one per sequence) against weights that stream from memory
 // every step. oneDNN's AVX2 fp32 GEMM (AVX2-only CPUs have no brgemm) paid its weight traffic and its
 // arithmetic one after the other: on the AVX2 bench machine a step's 121 GEMMs of SmolLM2 took ~45 ms of
-// weight streaming plus ~1.75 ms per row. Here each thread streams its own contiguous run of panels once
-// and multiplies every row against a panel while it sits in L1/L2, in a 6 x 16 register tile.
+// weight streaming plus ~1.75 ms per row; on the AVX-512 one oneDNN's 1-row step streamed at 20 GB/s.
+// Here each thread streams its own contiguous run of panels once and multiplies every row against a
+// panel while it sits in L1/L2: in a 6 x 16 register tile (AVX2), or 28 x 16 (AVX-512, below).
 //
 // Layout (pack_panels): [P, K, 16] with P = ceil(N / 16); element (p, k, j) is W[16 p + j, k], the last
 // panel zero-padded. float32 or bfloat16: a bf16 panel is widened to float32 (exactly: a bf16 is the
-// high half of a float32) in registers when at most two tiles read it, else once per row pass and panel
-// into a thread's buffer, so bf16 weights stream half the bytes and the arithmetic stays float32 (bf16
-// activations are widened on entry and the output rounded back once).
+// high half of a float32) in registers (AVX2: when at most two tiles read it, else once per row pass
+// and panel into a thread's buffer), so bf16 weights stream half the bytes and the arithmetic stays
+// float32 (bf16 activations are widened on entry and the output rounded back once).
 // Summation runs in k order per output, so results differ from oneDNN's in the last bits only.
 
 #include "cpu_kernels.h"
 
 namespace {
 
-constexpr int64_t kPanel = 16;    // output columns per panel: two 8-float registers
+constexpr int64_t kPanel = 16;    // output columns per panel: two 8-float registers, or one 16-float one
 constexpr int64_t kTileRows = 6;  // rows per register tile: 12 accumulators + 2 weights + 1 broadcast
 // Rows of x per pass over the panels: x's rows stay in L2 while the thread's panels go by (more rows
 // are prefill, whose weights come back from L3 once per pass).
@@ -86,7 +88,7 @@ void panel_tile(const float* __restrict x, int64_t ldx, const W* __restrict pane
 #undef PANEL_ROW
 #undef PANEL_STORE
 
-void widen_panel(const bf16* __restrict panel, int64_t count, float* __restrict out) {
+inline void widen_panel(const bf16* __restrict panel, int64_t count, float* __restrict out) {
   const auto* bits = reinterpret_cast<const uint16_t*>(panel);
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
@@ -130,6 +132,125 @@ void run_panels(const float* x, int64_t K, const W* panels, const float* bias, f
     } else {
       widen_panel(panel, K * kPanel, widened.data());
       tiles(x, K, static_cast<const float*>(widened.data()), bias, y, N, row0, rows, p);
+    }
+  }
+}
+
+#endif
+
+#if defined(__AVX512F__)
+
+// AVX-512: a panel's 16 columns are one zmm, so a tile is R rows x 1 register (R up to kWideTileRows) and a
+// k step is one weight load (widened in registers when bf16) plus R FMAs whose x operand is a broadcast
+// from memory. Up to 28 rows read a panel once (its stream, prefetched, overlaps their arithmetic); more
+// rows read it once per tile, from L2 after the first. x is first copied tile by tile k-major ([K, R]
+// per tile): the R values of a k step are then adjacent, one pointer plus constant offsets (28 row
+// pointers do not fit the 16 general registers, and rows at a stride of a multiple of 1 KiB evict one
+// another in L1).
+constexpr int64_t kWideTileRows = 28;  // 28 accumulators + the weight (of 32 registers)
+// k steps ahead that a tile prefetches its panel (into the next panel at the end: a thread's run is
+// contiguous).
+constexpr int64_t kWidePrefetchSteps = 32;
+
+struct WideTile {
+  int64_t row0, rows;  // x's rows [row0, row0 + rows); packed at row0 * K, element (k, i) at k * rows + i
+};
+
+// M rows as passes of kRowsPerPass, each cut into near-equal tiles of at most kWideTileRows.
+std::vector<WideTile> wide_tiles(int64_t M) {
+  std::vector<WideTile> out;
+  for (int64_t row0 = 0; row0 < M; row0 += kRowsPerPass) {
+    const int64_t rows = std::min(kRowsPerPass, M - row0), count = (rows + kWideTileRows - 1) / kWideTileRows;
+    for (int64_t t = 0, r = row0; t < count; ++t) {
+      const int64_t tile_rows = (rows - (r - row0) + (count - t) - 1) / (count - t);
+      out.push_back({r, tile_rows});
+      r += tile_rows;
+    }
+  }
+  return out;
+}
+
+// x [M, K] -> each tile's rows k-major, in place of those rows (the same M * K floats).
+void pack_wide_tiles(const float* __restrict x, int64_t K, const std::vector<WideTile>& tiles,
+                     float* __restrict out) {
+  at::parallel_for(0, int64_t(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto [row0, rows] = tiles[t];
+      const float* src = x + row0 * K;
+      float* dst = out + row0 * K;
+      for (int64_t k0 = 0; k0 < K; k0 += kPanel)  // a 16-wide column block of the rows stays in L1
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t k = k0; k < std::min(K, k0 + kPanel); ++k) dst[k * rows + i] = src[i * K + k];
+    }
+  });
+}
+
+inline __m512 load_wide_weights(const float* w) { return _mm512_loadu_ps(w); }
+
+inline __m512 load_wide_weights(const bf16* w) {  // 16 bf16 -> 16 float32, exactly (the high halves)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline void store_wide_row(__m512 acc, const float* bias, float* y, int64_t columns) {
+  const __mmask16 mask = columns == kPanel ? __mmask16(0xFFFF) : __mmask16((1u << columns) - 1);
+  if (bias != nullptr) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, bias));
+  _mm512_mask_storeu_ps(y, mask, acc);
+}
+
+#define WIDE_ROW(i) \
+  if constexpr (R > i) acc##i = _mm512_fmadd_ps(_mm512_set1_ps(xk[i]), w, acc##i);
+#define WIDE_STORE(i) \
+  if constexpr (R > i) store_wide_row(acc##i, bias, y + i * ldy, columns);
+
+// One tile's x, k-major [K, R], times one panel [K, 16] -> y [R, columns] (row stride ldy).
+template <int R, typename W>
+void wide_tile(const float* __restrict x, const W* __restrict panel, int64_t K, const float* bias,
+               float* __restrict y, int64_t ldy, int64_t columns) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0,
+         acc6 = acc0, acc7 = acc0, acc8 = acc0, acc9 = acc0, acc10 = acc0, acc11 = acc0, acc12 = acc0,
+         acc13 = acc0, acc14 = acc0, acc15 = acc0, acc16 = acc0, acc17 = acc0, acc18 = acc0, acc19 = acc0,
+         acc20 = acc0, acc21 = acc0, acc22 = acc0, acc23 = acc0, acc24 = acc0, acc25 = acc0, acc26 = acc0,
+         acc27 = acc0;
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kWidePrefetchSteps) * kPanel), _MM_HINT_T0);
+    const __m512 w = load_wide_weights(panel + k * kPanel);
+    const float* xk = x + k * R;
+    WIDE_ROW(0) WIDE_ROW(1) WIDE_ROW(2) WIDE_ROW(3) WIDE_ROW(4) WIDE_ROW(5) WIDE_ROW(6) WIDE_ROW(7)
+    WIDE_ROW(8) WIDE_ROW(9) WIDE_ROW(10) WIDE_ROW(11) WIDE_ROW(12) WIDE_ROW(13) WIDE_ROW(14) WIDE_ROW(15)
+    WIDE_ROW(16) WIDE_ROW(17) WIDE_ROW(18) WIDE_ROW(19) WIDE_ROW(20) WIDE_ROW(21) WIDE_ROW(22) WIDE_ROW(23)
+    WIDE_ROW(24) WIDE_ROW(25) WIDE_ROW(26) WIDE_ROW(27)
+  }
+  WIDE_STORE(0) WIDE_STORE(1) WIDE_STORE(2) WIDE_STORE(3) WIDE_STORE(4) WIDE_STORE(5) WIDE_STORE(6)
+  WIDE_STORE(7) WIDE_STORE(8) WIDE_STORE(9) WIDE_STORE(10) WIDE_STORE(11) WIDE_STORE(12) WIDE_STORE(13)
+  WIDE_STORE(14) WIDE_STORE(15) WIDE_STORE(16) WIDE_STORE(17) WIDE_STORE(18) WIDE_STORE(19) WIDE_STORE(20)
+  WIDE_STORE(21) WIDE_STORE(22) WIDE_STORE(23) WIDE_STORE(24) WIDE_STORE(25) WIDE_STORE(26) WIDE_STORE(27)
+}
+
+#undef WIDE_ROW
+#undef WIDE_STORE
+
+// A tile of `rows` (1..kWideTileRows) rows: the row count picks the compile-time tile.
+template <int R = kWideTileRows, typename W>
+void wide_rows(int64_t rows, const float* x, const W* panel, int64_t K, const float* bias, float* y,
+               int64_t ldy, int64_t columns) {
+  if constexpr (R > 1) {
+    if (rows < R) return wide_rows<R - 1>(rows, x, panel, K, bias, y, ldy, columns);
+  }
+  wide_tile<R>(x, panel, K, bias, y, ldy, columns);
+}
+
+// The tiles of one pass (packed x) against panels [p0, p1).
+template <typename W>
+void run_wide_panels(const float* packed, int64_t K, const W* panels, const float* bias, float* y, int64_t N,
+                     const WideTile* tiles, int64_t count, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const W* panel = panels + p * K * kPanel;
+    const int64_t columns = std::min(kPanel, N - p * kPanel);
+    const float* panel_bias = bias != nullptr ? bias + p * kPanel : nullptr;
+    for (int64_t t = 0; t < count; ++t) {
+      const auto [row0, rows] = tiles[t];
+      wide_rows(rows, packed + row0 * K, panel, K, panel_bias, y + row0 * N + p * kPanel, N, columns);
     }
   }
 }
@@ -180,6 +301,14 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   }
   torch::Tensor y = torch::empty({M, N}, xf.options());
   if (M == 0) return y.to(out_dtype);
+#if defined(__AVX512F__)
+  const std::vector<WideTile> tiles = wide_tiles(M);
+  if (M > 1) {
+    torch::Tensor packed = torch::empty_like(xf);
+    pack_wide_tiles(xf.data_ptr<float>(), K, tiles, packed.data_ptr<float>());
+    xf = packed;
+  }
+#endif
   const float* xp = xf.data_ptr<float>();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
@@ -187,6 +316,18 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   // Each thread takes one contiguous run of panels (they stream from memory once per pass) and, pass by
   // pass, every row against it.
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+#if defined(__AVX512F__)
+    for (size_t first = 0; first < tiles.size();) {  // pass by pass: a pass starts at a multiple of kRowsPerPass
+      size_t last = first + 1;
+      while (last < tiles.size() && tiles[last].row0 % kRowsPerPass != 0) ++last;
+      const auto count = int64_t(last - first);
+      if (widen)
+        run_wide_panels(xp, K, panels.data_ptr<at::BFloat16>(), bp, yp, N, &tiles[first], count, p0, p1);
+      else
+        run_wide_panels(xp, K, panels.data_ptr<float>(), bp, yp, N, &tiles[first], count, p0, p1);
+      first = last;
+    }
+#else
     std::vector<float> widened(widen && M > kRegisterWidenRows ? K * kPanel : 0);
     for (int64_t row0 = 0; row0 < M; row0 += kRowsPerPass) {
       const int64_t rows = std::min(kRowsPerPass, M - row0);
@@ -195,6 +336,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
       else
         run_panels(xp, K, panels.data_ptr<float>(), bp, yp, N, row0, rows, p0, p1, widened);
     }
+#endif
   });
   return out_dtype == at::kFloat ? y : y.to(out_dtype);
 #else
