@@ -4,8 +4,9 @@ Runs the `make bench-peers` workload (bench/chat_workload.py: 96 chat prompts on
 greedy, max_tokens 16..256) through batchinfer.engine.LLM at one precision, timing every Engine.step and
 every ModelRunner.execute_model call, and prints: the wall time outside the model (scheduling, sampling
 bookkeeping, detokenizing), the steps grouped as prefill/mixed or decode by batch size (16-wide buckets),
-and ms per step of each group. Compare a group's ms with the GEMM time of its batch size to see what the
-rest of a step costs (attention, norms, barriers).
+and each group's ms per step and CPUs busy (process CPU time over wall time; OpenMP's spin-waits count as
+busy). Compare a group's ms with the GEMM time of its batch size to see what the rest of a step costs
+(attention, norms, barriers).
 
     .venv/bin/python bench/step_timeline.py --precision bf16
 """
@@ -27,6 +28,12 @@ from collections.abc import Sequence  # noqa: E402
 from chat_workload import PRECISIONS, build_workload, engine_options, load_line  # noqa: E402
 
 
+def cpu_seconds() -> float:
+    """This process's user + system CPU time so far (every thread)."""
+    times = os.times()
+    return times.user + times.system
+
+
 def main() -> None:
     """Run the workload once at --precision and print the time outside the model and ms per step group."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -44,14 +51,15 @@ def main() -> None:
     llm = LLM(args.model, max_num_seqs=256, **options)
     prompts, budgets = build_workload(llm.get_tokenizer(), args.num_prompts, 16, 256)
     engine, runner = llm.engine, llm.engine.model_runner
-    steps: list[tuple[int, int, float]] = []  # (sequences, tokens, seconds) per execute_model call
+    steps: list[tuple[int, int, float, float]] = []  # (sequences, tokens, seconds, CPU-s) per execute_model
     totals = {"step": 0.0}
     execute, step = runner.execute_model, engine.step
 
     def timed_execute(scheduled: Sequence, logits_counts: Sequence[int] | None = None):  # type: ignore[no-untyped-def]
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu_seconds()
         logits = execute(scheduled, logits_counts)
-        steps.append((len(scheduled), sum(n for _, n in scheduled), time.perf_counter() - start))
+        steps.append((len(scheduled), sum(n for _, n in scheduled), time.perf_counter() - start,
+                      cpu_seconds() - cpu_start))
         return logits
 
     def timed_step(**kwargs):  # type: ignore[no-untyped-def]
@@ -72,22 +80,23 @@ def main() -> None:
     wall, cpu1 = time.perf_counter() - start, os.times()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
-    in_model = sum(seconds for _, _, seconds in steps)
+    in_model = sum(seconds for _, _, seconds, _ in steps)
     print(f"{args.precision}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.1f} tok/s, "
           f"{tokens / cpu:.1f} tok/CPU-s; {len(steps)} steps; in the model {in_model:.2f} s, "
           f"outside it {totals['step'] - in_model:.2f} s")
-    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
-    for sequences, new_tokens, seconds in steps:
+    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0.0])
+    for sequences, new_tokens, seconds, cpu_used in steps:
         low = sequences // 16 * 16
         name = "prefill/mixed" if new_tokens != sequences else f"decode {low:3d}-{low + 15}"
         group = groups[name]
         group[0] += 1
         group[1] += seconds
         group[2] += new_tokens
+        group[3] += cpu_used
     for name in sorted(groups):
-        count, seconds, new_tokens = groups[name]
+        count, seconds, new_tokens, cpu_used = groups[name]
         print(f"  {name:14s} steps {int(count):4d}  {seconds:6.2f} s  {seconds / count * 1e3:7.1f} ms/step  "
-              f"tokens {int(new_tokens)}")
+              f"{cpu_used / seconds:4.2f} CPUs busy  tokens {int(new_tokens)}")
     print(f"end: {load_line()}")
 
 
