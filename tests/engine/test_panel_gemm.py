@@ -1,6 +1,6 @@
 """The panel GEMM (csrc/panel_gemm.cpp, weight_packing.PanelLinear; AVX2 tiles, or AVX-512 ones where the
 build has AVX-512F) against float64 products: every row-tile remainder, padded panels, odd K, K a multiple
-of 256 (x copied at a longer stride), bias, bfloat16 weights and activations, the multi-pass rows of a
+of 256, partial panels of 1 to 15 columns, bias, bfloat16 weights and activations, the multi-pass rows of a
 prefill; and where BATCHINFER_CPU_LINEAR picks it."""
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.
 
 
 @needs_panel
-@pytest.mark.parametrize("m", [*range(1, 16), 28, 29, 96, 127, 300])
-@pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 7), (200, 1), (96, 576), (24, 512)])
+@pytest.mark.parametrize("m", [*range(1, 30), 36, 45, 55, 96, 127, 300])
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 7), (200, 1), (96, 576), (24, 512), (17, 33), (31, 16),
+                                    (45, 70)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_panel_linear_is_the_float32_product(m: int, n: int, k: int, with_bias: bool) -> None:
     x, weight, bias = _case(m, n, k, torch.float32, seed=m * 1000 + n + k)
@@ -68,14 +69,18 @@ def test_panel_linear_keeps_leading_dimensions_and_refuses_a_wrong_width() -> No
 
 
 def test_cpu_linear_mode_resolves_auto_by_cpu_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto: the panel GEMM wherever it is built, but bf16 weights stay on oneDNN's bf16 GEMM where there is
-    one (AVX-512 BF16); float16 (no panels) stays on oneDNN."""
+    """auto: the panel GEMM wherever it is built, but bf16 weights take oneDNN on a CPU with native bf16 dot
+    products; float16 (no panels) and a build without the panel GEMM take oneDNN."""
     monkeypatch.delenv(weight_packing.CPU_LINEAR_ENV, raising=False)
-    built = EXT is not None
-    assert weight_packing.cpu_linear_mode(torch.float32) == ("panel" if built else "onednn")
-    bf16_on_panels = built and not weight_packing.onednn_supports(torch.bfloat16)
-    assert weight_packing.cpu_linear_mode(torch.bfloat16) == ("panel" if bf16_on_panels else "onednn")
-    assert weight_packing.cpu_linear_mode(torch.float16) == "onednn"
+    for built, native_bf16, fp32_mode, bf16_mode in [(True, False, "panel", "panel"),
+                                                     (True, True, "panel", "onednn"),
+                                                     (False, False, "onednn", "onednn")]:
+        extension = object() if built else None
+        monkeypatch.setattr(weight_packing, "panel_extension", lambda extension=extension: extension)
+        monkeypatch.setattr(weight_packing, "cpu_has_native_bf16", lambda native=native_bf16: native)
+        assert weight_packing.cpu_linear_mode(torch.float32) == fp32_mode
+        assert weight_packing.cpu_linear_mode(torch.bfloat16) == bf16_mode
+        assert weight_packing.cpu_linear_mode(torch.float16) == "onednn"
     monkeypatch.setenv(weight_packing.CPU_LINEAR_ENV, "onednn")
     assert weight_packing.cpu_linear_mode() == "onednn"
     monkeypatch.setenv(weight_packing.CPU_LINEAR_ENV, "mkl")

@@ -1,23 +1,25 @@
 """CPU weight formats of the linear layers and the LM head, chosen once after the weights are loaded.
 
-Why: on this project's CPUs (AMD EPYC) torch's fp32 F.linear goes to MKL, which takes a slow generic path
-on non-Intel CPUs; oneDNN's JIT kernels use AVX-512 there and run the same fp32 GEMMs 2.5-4.5x faster (the
-LM head of SmolLM2-135M at 8 rows: 12 ms -> 2.6 ms), and with a weight prepacked into oneDNN's blocked
-layout bf16 runs another 1.2-1.8x faster than bf16 F.linear. int8 (quantization="int8") stores each weight
-per output channel in int8 and runs fbgemm's dynamic-quantized GEMM (activations quantized per call and
+Why: on this project's CPUs (AMD EPYC) torch's fp32 F.linear goes to MKL, which takes a slow generic path on
+non-Intel CPUs; oneDNN's JIT kernels run the same fp32 GEMMs 2.5-4.5x faster (the LM head of SmolLM2-135M at 8
+rows: 12 ms -> 2.6 ms), and with a weight prepacked into oneDNN's blocked layout bf16 runs another 1.2-1.8x
+faster than bf16 F.linear; our panel GEMM (below) beats oneDNN at fp32. int8 (quantization="int8") stores each
+weight per output channel in int8 and runs fbgemm's dynamic-quantized GEMM (activations quantized per call and
 per tensor): 1.5-2x bf16's speed at the batch sizes of a decode step. Its error is mostly the per-tensor
 activation scale (weight-only int8 alone keeps the KL to fp32 at ~0.004), so two things keep it in check:
-int8_smoothing folds per-channel activation smoothing into the weights once at load (channel outliers of
-the norm outputs and of v), and down_proj's input, whose outliers sit on a few tokens rather than in a few
+int8_smoothing folds per-channel activation smoothing into the weights once at load (channel outliers of the
+norm outputs and of v), and down_proj's input, whose outliers sit on a few tokens rather than in a few
 channels, is quantized per token (each row scaled to max 1 around the per-tensor GEMM). On SmolLM2-135M
-without VNNI that takes bench/quality.py's fixed-text mean log-prob from 32% off fp32 to 2.3%. The LM head
-is int8 too (about 1% of that delta).
+without VNNI that takes bench/quality.py's fixed-text mean log-prob from 32% off fp32 to 2.3%. The LM head is
+int8 too (about 1% of that delta).
 
-On an AVX2-only CPU (no AVX-512: oneDNN has no brgemm there) float32 and bfloat16 weights go to our own
-panel GEMM instead (PanelLinear, csrc/panel_gemm.cpp): oneDNN's AVX2 GEMM paid a decode step's weight
-traffic and its arithmetic one after the other, the panel GEMM streams each weight once per step beside
-the arithmetic (a step's 121 GEMMs of SmolLM2 on the AVX2 bench machine: 24 vs 36 ms at 1 row, 70 vs 95 ms
-at 32, 176 vs 262 ms at 96), and a bf16 weight stays bf16 in memory, widened in registers.
+float32 weights go to our own panel GEMM (PanelLinear, csrc/panel_gemm.cpp) on every AVX2 + FMA or
+AVX-512 CPU, and bfloat16 weights too where the CPU has no native bf16 dot products: oneDNN's GEMM paid a
+decode step's weight traffic and its arithmetic one after the other, the panel GEMM streams each weight
+once per step beside the arithmetic (a step's 121 GEMMs of SmolLM2, fp32: on the AVX2 bench machine 24 vs
+36 ms at 1 row, 70 vs 95 ms at 32, 176 vs 262 ms at 96; on the AVX-512 one 19 vs 30 ms at 1 row, 140 vs
+148 ms at 96), and a bf16 weight stays bf16 in memory, widened in registers. With avx512_bf16, oneDNN's
+bf16 GEMM is faster from 16 rows up (1.15x at 16, 1.9x at 96), so bf16 stays on oneDNN there.
 
 pack_linears(model, kernels) sets each LinearBase / ParallelLMHead's `packed` callable (x -> y with its
 bias), the kernel the weight format chooses (layers/quantization.py: dense, int8, gguf); the modules fall
@@ -39,10 +41,10 @@ from torch import nn
 
 from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.cpu_attention import fused_ops_for
-from batchinfer.engine.native.cpu_features import cpu_has_vnni
+from batchinfer.engine.native.cpu_features import cpu_has_native_bf16, cpu_has_vnni
 
-# "auto" (default: "panel" where it is built, except bf16 weights where oneDNN has a bf16 GEMM, which take
-# "onednn"), "onednn", "panel" or "aten" (plain F.linear)
+# "auto" (default: "panel" where it is built, except bf16 weights on a CPU with native bf16 dot products,
+# which take "onednn"), "onednn", "panel" or "aten" (plain F.linear)
 CPU_LINEAR_ENV = "BATCHINFER_CPU_LINEAR"
 CPU_LINEAR_MODES = ("auto", "onednn", "panel", "aten")
 PANEL_DTYPES = (torch.float32, torch.bfloat16)  # the weight dtypes pack_panels keeps
@@ -107,13 +109,13 @@ def panel_extension() -> Any:
 def panel_gemm_preferred(dtype: torch.dtype) -> bool:
     """True where "auto" picks the panel GEMM for weights of this dtype.
 
-    That is wherever it is built (AVX2 + FMA, or AVX-512), except bf16 weights where oneDNN has a bf16 GEMM
-    (AVX-512 BF16): its bf16 dot products do twice the panel GEMM's float32 FMAs from 8 rows up
-    (bench/panel_gemm.py), while float32 and AVX2-only bf16 stream faster through the panels.
+    That is wherever it is built (AVX2 + FMA, or AVX-512), except bf16 weights on a CPU with native bf16 dot
+    products (avx512_bf16, AMX): there oneDNN's bf16 GEMM is faster from 16 rows up (bench/panel_gemm.py:
+    1.15x at 16 rows, 1.9x at 96), while float32, and bf16 elsewhere, stream faster through the panels.
     """
     if dtype not in PANEL_DTYPES or panel_extension() is None:
         return False
-    return dtype == torch.float32 or not onednn_supports(torch.bfloat16)
+    return dtype == torch.float32 or not cpu_has_native_bf16()
 
 
 def panel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:

@@ -29,7 +29,7 @@ constexpr int64_t kRowsPerPass = 126;
 // rather than once into a buffer (a write and a read of the panel): 1-row steps 25 -> 17 ms on SmolLM2.
 constexpr int64_t kRegisterWidenRows = 2 * kTileRows;
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)  // the AVX2 tiles (AVX-512: below)
 
 #define PANEL_ROW(i)                                                              \
   if constexpr (R > i) {                                                          \
@@ -88,7 +88,7 @@ void panel_tile(const float* __restrict x, int64_t ldx, const W* __restrict pane
 #undef PANEL_ROW
 #undef PANEL_STORE
 
-inline void widen_panel(const bf16* __restrict panel, int64_t count, float* __restrict out) {
+void widen_panel(const bf16* __restrict panel, int64_t count, float* __restrict out) {
   const auto* bits = reinterpret_cast<const uint16_t*>(panel);
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
@@ -100,8 +100,8 @@ inline void widen_panel(const bf16* __restrict panel, int64_t count, float* __re
 
 // Rows [row0, row0 + rows) of x against one panel (float32, or bf16 read by a single tile).
 template <typename W>
-void tiles(const float* x, int64_t K, const W* panel, const float* bias, float* y, int64_t N, int64_t row0,
-           int64_t rows, int64_t p) {
+void run_tiles(const float* x, int64_t K, const W* panel, const float* bias, float* y, int64_t N,
+               int64_t row0, int64_t rows, int64_t p) {
   const int64_t columns = std::min(kPanel, N - p * kPanel);
   const float* panel_bias = bias != nullptr ? bias + p * kPanel : nullptr;
   for (int64_t r = row0; r < row0 + rows; r += kTileRows) {
@@ -126,12 +126,12 @@ void run_panels(const float* x, int64_t K, const W* panels, const float* bias, f
   for (int64_t p = p0; p < p1; ++p) {
     const W* panel = panels + p * K * kPanel;
     if constexpr (std::is_same_v<W, float>) {
-      tiles(x, K, panel, bias, y, N, row0, rows, p);
+      run_tiles(x, K, panel, bias, y, N, row0, rows, p);
     } else if (rows <= kRegisterWidenRows) {
-      tiles(x, K, panel, bias, y, N, row0, rows, p);
+      run_tiles(x, K, panel, bias, y, N, row0, rows, p);
     } else {
       widen_panel(panel, K * kPanel, widened.data());
-      tiles(x, K, static_cast<const float*>(widened.data()), bias, y, N, row0, rows, p);
+      run_tiles(x, K, static_cast<const float*>(widened.data()), bias, y, N, row0, rows, p);
     }
   }
 }
@@ -149,7 +149,7 @@ void run_panels(const float* x, int64_t K, const W* panels, const float* bias, f
 // another in L1).
 constexpr int64_t kWideTileRows = 28;  // 28 accumulators + the weight (of 32 registers)
 // k steps ahead that a tile prefetches its panel (into the next panel at the end: a thread's run is
-// contiguous).
+// contiguous): 2 KiB of float32, 1 KiB of bf16 (whose 32-byte rows prefetch each line twice, for free).
 constexpr int64_t kWidePrefetchSteps = 32;
 
 struct WideTile {
@@ -170,7 +170,7 @@ std::vector<WideTile> wide_tiles(int64_t M) {
   return out;
 }
 
-// x [M, K] -> each tile's rows k-major, in place of those rows (the same M * K floats).
+// x [M, K] -> out [M, K] with each tile's rows k-major at the tile's offset (row0 * K).
 void pack_wide_tiles(const float* __restrict x, int64_t K, const std::vector<WideTile>& tiles,
                      float* __restrict out) {
   at::parallel_for(0, int64_t(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
@@ -317,7 +317,8 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   // pass, every row against it.
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
 #if defined(__AVX512F__)
-    for (size_t first = 0; first < tiles.size();) {  // pass by pass: a pass starts at a multiple of kRowsPerPass
+    // pass by pass: a pass starts at a multiple of kRowsPerPass
+    for (size_t first = 0; first < tiles.size();) {
       size_t last = first + 1;
       while (last < tiles.size() && tiles[last].row0 % kRowsPerPass != 0) ++last;
       const auto count = int64_t(last - first);
