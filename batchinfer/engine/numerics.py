@@ -9,6 +9,6 @@ workers read it without torch.
 # 2: the AVX-512 decode attention path (issue 34) sums q.k and the values in another order than AVX2 did.
 # 3: the AVX2 decode attention scales scores after the dot (as AVX-512 does) and reads int8 / u8 codes with
 #    its own loops; bf16 on an AVX2-only CPU runs oneDNN's fp32 GEMM over widened weights, not bf16 F.linear.
-# 4: float32 linears (and bfloat16 ones on an AVX2-only CPU) run the panel GEMM (csrc/panel_gemm.cpp), which
-#    sums in k order, not oneDNN's order.
+# 4: on an AVX2-only CPU float32 / bfloat16 linears run the panel GEMM (csrc/panel_gemm.cpp), which sums in
+#    k order, not oneDNN's order.
 ENGINE_NUMERICS_VERSION = 4

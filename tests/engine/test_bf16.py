@@ -105,16 +105,15 @@ def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_it(tiny_llama: Path) -> No
 
 
 def test_bf16_linear_layers_are_prepacked_with_or_without_onednn_bf16(tiny_llama: Path) -> None:
-    """Every linear and the head are prepacked and the linears' dense weights released: in oneDNN's bf16
-    layout on a CPU with native bf16 dot products; elsewhere as bf16 panels of the panel GEMM (or, with
-    BATCHINFER_CPU_LINEAR=onednn, in oneDNN's bf16 layout where it has a bf16 GEMM, else as the widened fp32
-    weight of oneDNN's fp32 GEMM)."""
+    """Every linear and the head are prepacked and the linears' dense weights released: in bf16 where oneDNN
+    runs bf16 GEMMs (AVX-512); on an AVX2-only CPU as bf16 panels of the panel GEMM (or, with
+    BATCHINFER_CPU_LINEAR=onednn, as the widened fp32 weight of oneDNN's fp32 GEMM)."""
     runner = make_runner(tiny_llama, dtype="bfloat16")
     layer = runner.model.model.layers[0]
     assert runner.model.lm_head.weight.numel() > 0  # the head's matrix stays (it may be the embedding)
     qkv, head = layer.self_attn.qkv_proj.packed, runner.model.lm_head.packed
     assert layer.mlp.down_proj.weight.numel() == 0
-    if cpu_linear_mode(torch.bfloat16) == "panel":  # no native bf16: the panel GEMM, weights bf16 in memory
+    if cpu_linear_mode(torch.bfloat16) == "panel":  # AVX2-only: the panel GEMM, its weights bf16 in memory
         assert isinstance(qkv, PanelLinear) and isinstance(head, PanelLinear)
         assert qkv.panels.dtype == head.panels.dtype == torch.bfloat16
         return

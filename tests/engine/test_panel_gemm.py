@@ -69,17 +69,16 @@ def test_panel_linear_keeps_leading_dimensions_and_refuses_a_wrong_width() -> No
 
 
 def test_cpu_linear_mode_resolves_auto_by_cpu_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto: the panel GEMM wherever it is built, but bf16 weights take oneDNN on a CPU with native bf16 dot
-    products; float16 (no panels) and a build without the panel GEMM take oneDNN."""
+    """auto: the panel GEMM for float32 / bf16 weights on an AVX2-only CPU whose build has it; oneDNN on
+    AVX-512, for float16 (no panels) and without the build."""
     monkeypatch.delenv(weight_packing.CPU_LINEAR_ENV, raising=False)
-    for built, native_bf16, fp32_mode, bf16_mode in [(True, False, "panel", "panel"),
-                                                     (True, True, "panel", "onednn"),
-                                                     (False, False, "onednn", "onednn")]:
+    avx2, avx512 = frozenset({"avx2", "fma"}), frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})
+    for flags, built, mode in [(avx2, True, "panel"), (avx512, True, "onednn"), (avx2, False, "onednn")]:
         extension = object() if built else None
         monkeypatch.setattr(weight_packing, "panel_extension", lambda extension=extension: extension)
-        monkeypatch.setattr(weight_packing, "cpu_has_native_bf16", lambda native=native_bf16: native)
-        assert weight_packing.cpu_linear_mode(torch.float32) == fp32_mode
-        assert weight_packing.cpu_linear_mode(torch.bfloat16) == bf16_mode
+        monkeypatch.setattr(weight_packing, "cpu_flags", lambda flags=flags: flags)
+        assert weight_packing.cpu_linear_mode(torch.float32) == mode
+        assert weight_packing.cpu_linear_mode(torch.bfloat16) == mode
         assert weight_packing.cpu_linear_mode(torch.float16) == "onednn"
     monkeypatch.setenv(weight_packing.CPU_LINEAR_ENV, "onednn")
     assert weight_packing.cpu_linear_mode() == "onednn"

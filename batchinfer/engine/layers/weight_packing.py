@@ -13,13 +13,12 @@ channels, is quantized per token (each row scaled to max 1 around the per-tensor
 without VNNI that takes bench/quality.py's fixed-text mean log-prob from 32% off fp32 to 2.3%. The LM head is
 int8 too (about 1% of that delta).
 
-float32 weights go to our own panel GEMM (PanelLinear, csrc/panel_gemm.cpp) on every AVX2 + FMA or
-AVX-512 CPU, and bfloat16 weights too where the CPU has no native bf16 dot products: oneDNN's GEMM paid a
-decode step's weight traffic and its arithmetic one after the other, the panel GEMM streams each weight
-once per step beside the arithmetic (a step's 121 GEMMs of SmolLM2, fp32: on the AVX2 bench machine 24 vs
-36 ms at 1 row, 70 vs 95 ms at 32, 176 vs 262 ms at 96; on the AVX-512 one 19 vs 30 ms at 1 row, 140 vs
-148 ms at 96), and a bf16 weight stays bf16 in memory, widened in registers. With avx512_bf16, oneDNN's
-bf16 GEMM is faster from 16 rows up (1.15x at 16, 1.9x at 96), so bf16 stays on oneDNN there.
+On an AVX2-only CPU (no AVX-512: oneDNN has no brgemm there) float32 and bfloat16 weights go to our own
+panel GEMM instead (PanelLinear, csrc/panel_gemm.cpp): oneDNN's AVX2 GEMM paid a decode step's weight
+traffic and its arithmetic one after the other, the panel GEMM streams each weight once per step beside
+the arithmetic (a step's 121 GEMMs of SmolLM2 on the AVX2 bench machine: 24 vs 36 ms at 1 row, 70 vs 95 ms
+at 32, 176 vs 262 ms at 96), and a bf16 weight stays bf16 in memory, widened in registers. Its AVX-512
+tiles are opt-in (BATCHINFER_CPU_LINEAR=panel; panel_gemm_preferred says why).
 
 pack_linears(model, kernels) sets each LinearBase / ParallelLMHead's `packed` callable (x -> y with its
 bias), the kernel the weight format chooses (layers/quantization.py: dense, int8, gguf); the modules fall
@@ -41,10 +40,9 @@ from torch import nn
 
 from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.cpu_attention import fused_ops_for
-from batchinfer.engine.native.cpu_features import cpu_has_native_bf16, cpu_has_vnni
+from batchinfer.engine.native.cpu_features import cpu_flags, cpu_has_vnni
 
-# "auto" (default: "panel" where it is built, except bf16 weights on a CPU with native bf16 dot products,
-# which take "onednn"), "onednn", "panel" or "aten" (plain F.linear)
+# "auto" (default: "panel" on AVX2-only CPUs, else "onednn"), "onednn", "panel" or "aten" (plain F.linear)
 CPU_LINEAR_ENV = "BATCHINFER_CPU_LINEAR"
 CPU_LINEAR_MODES = ("auto", "onednn", "panel", "aten")
 PANEL_DTYPES = (torch.float32, torch.bfloat16)  # the weight dtypes pack_panels keeps
@@ -107,15 +105,18 @@ def panel_extension() -> Any:
 
 
 def panel_gemm_preferred(dtype: torch.dtype) -> bool:
-    """True where "auto" picks the panel GEMM for weights of this dtype.
+    """True where "auto" picks the panel GEMM for weights of this dtype: float32 / bfloat16 on an AVX2 + FMA
+    CPU without AVX-512 whose build has it.
 
-    That is wherever it is built (AVX2 + FMA, or AVX-512), except bf16 weights on a CPU with native bf16 dot
-    products (avx512_bf16, AMX): there oneDNN's bf16 GEMM is faster from 16 rows up (bench/panel_gemm.py:
-    1.15x at 16 rows, 1.9x at 96), while float32, and bf16 elsewhere, stream faster through the panels.
+    On AVX-512 its 28-row tile beats oneDNN from 1 to 96 rows at fp32 (1.06-1.57x, bench/panel_gemm.py)
+    but not at a prefill's or an embedding batch's size (0.87-0.93x at 500 rows): the chat bench ran 1.02-
+    1.04x faster on it, bench/embeddings.py 0.91x (107.5 s against 97.7 s), so oneDNN stays the default
+    there (BATCHINFER_CPU_LINEAR=panel opts in); bf16 there has oneDNN's bf16 GEMM, faster from 16 rows up.
     """
     if dtype not in PANEL_DTYPES or panel_extension() is None:
         return False
-    return dtype == torch.float32 or not cpu_has_native_bf16()
+    flags = cpu_flags()
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags
 
 
 def panel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:

@@ -1,6 +1,6 @@
-// y = x @ W.T (+ bias) over a weight packed once into column panels: the float32 linears of every CPU with
-// AVX2 + FMA, and the bfloat16 ones where oneDNN has no bf16 GEMM (engine/layers/weight_packing.py's
-// PanelLinear).
+// y = x @ W.T (+ bias) over a weight packed once into column panels: the float32 / bfloat16 linears of an
+// AVX2-only CPU, and of an AVX-512 one with BATCHINFER_CPU_LINEAR=panel (engine/layers/weight_packing.py's
+// PanelLinear; panel_gemm_preferred says why not by default).
 //
 // Why: a decode step's GEMMs have few rows (one per sequence) against weights that stream from memory
 // every step. oneDNN's AVX2 fp32 GEMM (AVX2-only CPUs have no brgemm) paid its weight traffic and its
