@@ -64,3 +64,13 @@ def test_one_tenants_slow_ingests_leave_a_thread_to_another_tenant(tmp_path: Pat
         assert ingest_pool(app).load("alice") >= 1  # alice's are still going
         for future in slow:
             assert future.result().status_code == 200
+        # alice's ingests finish before the app stops: left running, they outlive this test and count
+        # in the next test's process-wide metrics (api_ingested_requests_total).
+        batch_urls = [f"/v1/batches/{future.result().json()['id']}" for future in slow]
+
+        def statuses() -> list[str]:
+            return [client.get(url, headers=alice).json()["status"] for url in batch_urls]
+
+        _wait_until(lambda: "validating" not in statuses(), 120)
+        assert statuses() == ["in_progress", "in_progress"]
+        assert ingest_pool(app).load("alice") == 0
