@@ -61,9 +61,10 @@ class Scheduler:
     """Iteration-level scheduler over a running list and a (priority, arrival)-ordered queue."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, *,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, max_num_batched_tokens: int | None = None) -> None:
         self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        # tokens per step: config's, or fewer where the device's forward takes fewer (worker/step_budget.py)
+        self.max_num_batched_tokens = max_num_batched_tokens or config.max_num_batched_tokens
         self.max_model_len = max_model_len or config.max_model_len or 1 << 62
         self.speculative = config.speculative_config  # SpeculativeConfig | None
         self.max_loras = config.max_loras if config.enable_lora else None

@@ -43,6 +43,7 @@ from batchinfer.engine.parallel.distributed import all_reduce_min_int
 from batchinfer.engine.worker.cuda_graphs import DecodeGraphs
 from batchinfer.engine.worker.embed_forward import embed_batched
 from batchinfer.engine.worker.native_step import NativeStep
+from batchinfer.engine.worker.step_budget import step_token_budget
 
 if TYPE_CHECKING:  # the one architecture; imported for types only
     from batchinfer.engine.lora.request import LoRARequest
@@ -353,10 +354,12 @@ class ModelRunner:
     def embed(self, token_id_lists: Sequence[list[int]]) -> list[list[float]]:
         """Each input's last hidden state (after the final norm), mean-pooled over its tokens, L2-normalised.
 
-        Packed cache-free forwards of up to max_num_batched_tokens tokens (embed_forward.py): the KV cache,
-        block tables and prefix cache are not touched.
+        Packed cache-free forwards of up to max_num_batched_tokens tokens (embed_forward.py; on a CPU
+        step_token_budget's): the KV cache, block tables and prefix cache are not touched.
         """
-        return embed_batched(self.model, token_id_lists, self.device, self.config.max_num_batched_tokens)
+        budget = step_token_budget(self.config.max_num_batched_tokens, hf_config=self.hf_config,
+                                   dtype=self.dtype, device=self.device)
+        return embed_batched(self.model, token_id_lists, self.device, budget)
 
 
 def _last_positions(last: torch.Tensor, counts: Sequence[int], q_lens: list[int]) -> torch.Tensor:
