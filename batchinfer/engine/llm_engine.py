@@ -67,7 +67,8 @@ class Engine:
             namespace=config.model,
         )
         step_tokens = step_token_budget(config.max_num_batched_tokens, hf_config=model.hf_config,
-                                        dtype=config.resolved_dtype(), device=self.model_runner.device)
+                                        dtype=config.resolved_dtype(), device=self.model_runner.device,
+                                        tensor_parallel_size=config.tensor_parallel_size)
         self.scheduler = Scheduler(config, self.block_manager, max_model_len=self.max_model_len,
                                    max_num_batched_tokens=step_tokens)
         self.speculator: Speculator | None = None
@@ -237,7 +238,8 @@ class Engine:
               ) -> tuple[list[list[float]], int]:
         """(each input's normalised mean-pooled embedding, tokens read); outside the generation batch.
 
-        All inputs go to the runner at once: it packs them into forwards of up to max_num_batched_tokens.
+        All inputs go to the runner at once: it packs them into forwards of up to max_num_batched_tokens
+        (fewer on a CPU: worker/step_budget.py).
 
         first_index: the position of inputs[0] in its line (error messages name label[first_index + i]).
         A runner that cannot pool (pipeline stages) raises ValueError naming the setting."""

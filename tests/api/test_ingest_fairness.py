@@ -73,4 +73,4 @@ def test_one_tenants_slow_ingests_leave_a_thread_to_another_tenant(tmp_path: Pat
 
         _wait_until(lambda: "validating" not in statuses(), 120)
         assert statuses() == ["in_progress", "in_progress"]
-        assert ingest_pool(app).load("alice") == 0
+        _wait_until(lambda: ingest_pool(app).load("alice") == 0)  # its thread counts the requests, then frees

@@ -86,4 +86,3 @@ def test_dense_groups_cover_the_packing_once() -> None:
         at += sum(members)
         first += g.num_seqs
     assert first == len(lengths) and len(groups) > 1
-

@@ -10,7 +10,9 @@ import torch
 from transformers import LlamaConfig
 
 from batchinfer import LLM, SamplingParams
+from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.worker import step_budget
+from batchinfer.engine.worker.model_runner import ModelRunner
 from batchinfer.engine.worker.step_budget import (
     MALLOC_REUSE_BYTES,
     MIN_CHUNK_TOKENS,
@@ -51,3 +53,19 @@ def test_the_scheduler_takes_the_cut_budget_and_greedy_output_is_unchanged(
         assert llm.engine.scheduler.max_num_batched_tokens == 300
         chunked = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert chunked == whole
+
+
+def test_the_embeddings_forward_takes_the_cut_budget(tiny_llama: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inputs of 700 tokens in all, in forwards of at most 300: the vectors of one 1024-token forward."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (250, 40, 180, 230)]
+    config = EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32", max_num_batched_tokens=1024,
+                          num_kv_blocks=16, max_model_len=512)
+    whole = ModelRunner(config)
+    assert whole.step_tokens == 1024
+    monkeypatch.setattr(step_budget, "MALLOC_REUSE_BYTES", 300 * 2 * 128 * 4)
+    cut = ModelRunner(config)
+    assert cut.step_tokens == 300
+    torch.testing.assert_close(torch.tensor(cut.embed(inputs)), torch.tensor(whole.embed(inputs)),
+                               atol=1e-5, rtol=1e-5)

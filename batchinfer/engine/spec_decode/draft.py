@@ -5,11 +5,12 @@ it mirrors the target's block tables: the draft's K/V of position p of a sequenc
 id and offset as the target's, so no second block manager is needed and every block the scheduler gives
 a sequence (including the k lookahead slots of a speculative step) is the draft's too.
 
-Per sequence the proposer remembers how far the draft's cache is valid: the positions it computed from
-real tokens, plus the draft tokens it ran past them, which stay valid as far as the target accepted them.
-Each proposal first catches up (the prompt on the first call, then the tokens accepted since), chunked
-to max_num_batched_tokens, then runs k - 1 one-token steps for the whole batch (the k-th draft is never
-run through the draft). A preempted sequence lost its blocks, so the engine calls forget() for it.
+Per sequence the proposer remembers how far the draft's cache is valid: the positions it computed from real
+tokens, plus the draft tokens it ran past them, which stay valid as far as the target accepted them. Each
+proposal first catches up (the prompt on the first call, then the tokens accepted since), chunked to
+max_num_batched_tokens (fewer on a CPU: worker/step_budget.py), then runs k - 1 one-token steps for the whole
+batch (the k-th draft is never run through the draft). A preempted sequence lost its blocks, so the engine
+calls forget() for it.
 
 Greedy and seeded target rows take the draft's argmax (their verification does not read q); unseeded
 rows sample from the draft's q (temperature, top_k, top_p, min_p of the request) with the proposer's own
@@ -73,7 +74,7 @@ class DraftModelProposer:
             )
         self.k = spec.num_speculative_tokens
         self.runner = ModelRunner(config, model)
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_batched_tokens = self.runner.step_tokens  # on a CPU the draft MLP's cut (step_budget.py)
         self.generator = torch.Generator(device=self.runner.device)
         self.generator.manual_seed(target_config.seed + 1)
         # seq -> (positions computed from real tokens, draft tokens the draft ran right after them)

@@ -1,8 +1,8 @@
 """The packed embeddings forward: many inputs per model call, no KV cache, causal within each input.
 
 Inputs are sorted by length and cut into chunks of at most max_num_batched_tokens tokens (an input longer
-than that is a chunk of its own); on a CPU fewer (step_budget.py: no activation outgrows what glibc's malloc
-keeps for reuse). Each chunk is ONE forward through the model's layers (the same linear,
+than that is a chunk of its own); on a CPU fewer (step_budget.py: the MLP's output stays within what glibc's
+malloc keeps for reuse). Each chunk is ONE forward through the model's layers (the same linear,
 norm and MLP kernels as a prefill step) over the packed tokens, under a "dense" attention context: the
 inputs are grouped by similar length and each group runs one causal SDPA, padded at the end
 (attention_plan.build_dense_groups). Nothing is written to the KV cache. Each input's final hidden state

@@ -113,6 +113,10 @@ class ModelRunner:
         self.gguf_path = quantization_format(config.quantization).weight_source(config.model)
         self.hf_config = model.hf_config
         self.max_model_len = model.max_model_len
+        # tokens per forward of the embeddings (and of a draft model's catch-up): step_budget.py
+        self.step_tokens = step_token_budget(config.max_num_batched_tokens, hf_config=self.hf_config,
+                                             dtype=self.dtype, device=self.device,
+                                             tensor_parallel_size=config.tensor_parallel_size)
         self.block_size = config.block_size
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
@@ -354,12 +358,10 @@ class ModelRunner:
     def embed(self, token_id_lists: Sequence[list[int]]) -> list[list[float]]:
         """Each input's last hidden state (after the final norm), mean-pooled over its tokens, L2-normalised.
 
-        Packed cache-free forwards of up to max_num_batched_tokens tokens (embed_forward.py; on a CPU
-        step_token_budget's): the KV cache, block tables and prefix cache are not touched.
+        Packed cache-free forwards of up to step_tokens tokens (embed_forward.py; max_num_batched_tokens,
+        on a CPU step_budget.py's cut): the KV cache, block tables and prefix cache are not touched.
         """
-        budget = step_token_budget(self.config.max_num_batched_tokens, hf_config=self.hf_config,
-                                   dtype=self.dtype, device=self.device)
-        return embed_batched(self.model, token_id_lists, self.device, budget)
+        return embed_batched(self.model, token_id_lists, self.device, self.step_tokens)
 
 
 def _last_positions(last: torch.Tensor, counts: Sequence[int], q_lens: list[int]) -> torch.Tensor:

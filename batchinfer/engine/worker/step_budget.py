@@ -1,13 +1,17 @@
-"""The tokens one CPU forward takes: max_num_batched_tokens, cut so no activation outgrows malloc's reuse.
+"""The tokens one CPU forward takes: max_num_batched_tokens, cut so the MLP's output fits malloc's reuse.
 
 glibc's malloc serves a block over 32 MiB (its highest mmap threshold) with a fresh mmap and unmaps it again
-on free, so a forward whose activations are bigger faults every page of them in anew, every layer. The
-widest activation of a step is the MLP's gate_up output (tokens x 2 x intermediate_size). SmolLM2-135M in
-float32 at 4096 tokens a forward (that output 48 MiB), against 2048:
+on free, so a forward whose activations are bigger faults every page of them in anew, every layer. The cut
+is for the MLP's gate_up output (tokens x 2 x intermediate_size, a rank's share under tensor parallelism),
+the widest activation that grows with the tokens of every layer; it does not bound the logits (a step's
+decodes or a prompt-logprobs chunk x the vocabulary, once a step), and an embeddings input longer than the
+budget is still one forward. SmolLM2-135M in float32 at 4096 tokens a forward (that output 48 MiB), against
+2048:
 - the held-out embeddings job (240 texts): 44.6 s (7.4 s system, 3.9 M page faults) -> 41.9 s (0.5 s);
 - prefill of 96 prompts of ~265 tokens: 38.0 / 35.4 s (5.9 / 5.3 s system) -> 34.1 / 33.7 s (1.1 / 0.5 s).
-The engine's scheduler (its token budget per step) and the packed embeddings forward (embed_forward.py)
-take this budget on a CPU; CUDA's caching allocator keeps its blocks, so a GPU takes max_num_batched_tokens.
+The engine's scheduler (its token budget per step), the packed embeddings forward (embed_forward.py) and a
+draft model's catch-up forwards (spec_decode/draft.py) take this budget on a CPU; CUDA's caching allocator
+keeps its blocks, so a GPU takes max_num_batched_tokens.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ def chunk_budget(budget: int, *, widest_row_bytes: int) -> int:
     return max(min(budget, MALLOC_REUSE_BYTES // max(widest_row_bytes, 1)), min(budget, MIN_CHUNK_TOKENS))
 
 
-def step_token_budget(budget: int, *, hf_config: PretrainedConfig, dtype: torch.dtype,
-                      device: torch.device) -> int:
-    """max_num_batched_tokens as a forward on `device` takes it (module docstring): on a CPU the MLP's gate_up
-    output, the widest activation, stays within MALLOC_REUSE_BYTES."""
+def step_token_budget(budget: int, *, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+                      tensor_parallel_size: int = 1) -> int:
+    """max_num_batched_tokens as a forward on `device` takes it (module docstring): on a CPU each rank's share
+    of the MLP's gate_up output stays within MALLOC_REUSE_BYTES."""
     if device.type != "cpu":
         return budget
     intermediate = getattr(hf_config, "intermediate_size", None) or 4 * int(hf_config.hidden_size)
-    return chunk_budget(budget, widest_row_bytes=2 * int(intermediate) * dtype.itemsize)
+    share = -(-int(intermediate) // tensor_parallel_size)  # a rank's columns of gate and of up
+    return chunk_budget(budget, widest_row_bytes=2 * share * dtype.itemsize)
