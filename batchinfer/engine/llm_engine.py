@@ -43,7 +43,6 @@ from batchinfer.engine.sampling.structured_requests import StructuredRequests
 from batchinfer.engine.sampling_params import SamplingParams
 from batchinfer.engine.spec_decode.speculator import Speculator
 from batchinfer.engine.worker.runner_protocol import ModelRunnerProtocol
-from batchinfer.engine.worker.step_budget import step_token_budget
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +65,8 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             namespace=config.model,
         )
-        step_tokens = step_token_budget(config.max_num_batched_tokens, hf_config=model.hf_config,
-                                        dtype=config.resolved_dtype(), device=self.model_runner.device,
-                                        tensor_parallel_size=config.tensor_parallel_size)
         self.scheduler = Scheduler(config, self.block_manager, max_model_len=self.max_model_len,
-                                   max_num_batched_tokens=step_tokens)
+                                   max_num_batched_tokens=self.model_runner.step_tokens)
         self.speculator: Speculator | None = None
         if config.speculative_config is not None:
             self.speculator = Speculator(config.speculative_config, config,

@@ -1,5 +1,5 @@
-"""The CPU step budget (worker/step_budget.py): max_num_batched_tokens cut so the widest activation (the MLP's
-gate_up output) stays within what glibc's malloc reuses; the scheduler and the embeddings forward take it."""
+"""The CPU step budget (worker/step_budget.py): max_num_batched_tokens cut so the MLP's gate_up output
+stays within what glibc's malloc reuses; the scheduler and the embeddings forward take it."""
 
 from __future__ import annotations
 

@@ -3,16 +3,16 @@
 Why: on this project's CPUs (AMD EPYC) torch's fp32 F.linear goes to MKL, which takes a slow generic path on
 non-Intel CPUs; oneDNN's JIT kernels run the same fp32 GEMMs 2.5-4.5x faster (the LM head of SmolLM2-135M at 8
 rows: 12 ms -> 2.6 ms), and with a weight prepacked into oneDNN's blocked layout bf16 runs another 1.2-1.8x
-faster than bf16 F.linear; our panel GEMM (below) beats oneDNN at decode sizes (on AVX2-only CPUs at
-every size we run, so it is their default). int8 (quantization="int8") stores each
-weight per output channel in int8 and runs fbgemm's dynamic-quantized GEMM (activations quantized per call and
-per tensor): 1.5-2x bf16's speed at the batch sizes of a decode step. Its error is mostly the per-tensor
-activation scale (weight-only int8 alone keeps the KL to fp32 at ~0.004), so two things keep it in check:
-int8_smoothing folds per-channel activation smoothing into the weights once at load (channel outliers of the
-norm outputs and of v), and down_proj's input, whose outliers sit on a few tokens rather than in a few
-channels, is quantized per token (each row scaled to max 1 around the per-tensor GEMM). On SmolLM2-135M
-without VNNI that takes bench/quality.py's fixed-text mean log-prob from 32% off fp32 to 2.3%. The LM head is
-int8 too (about 1% of that delta).
+faster than bf16 F.linear; our panel GEMM (below) beats oneDNN at decode sizes (on AVX2-only CPUs at every
+size we run, so it is their default). int8 (quantization="int8") stores each weight per output channel in int8
+and runs fbgemm's dynamic-quantized GEMM (activations quantized per call and per tensor): 1.5-2x bf16's speed
+at the batch sizes of a decode step. Its error is mostly the per-tensor activation scale (weight-only int8
+alone keeps the KL to fp32 at ~0.004), so two things keep it in check: int8_smoothing folds per-channel
+activation smoothing into the weights once at load (channel outliers of the norm outputs and of v), and
+down_proj's input, whose outliers sit on a few tokens rather than in a few channels, is quantized per token
+(each row scaled to max 1 around the per-tensor GEMM). On SmolLM2-135M without VNNI that takes
+bench/quality.py's fixed-text mean log-prob from 32% off fp32 to 2.3%. The LM head is int8 too (about 1% of
+that delta).
 
 On an AVX2-only CPU (no AVX-512: oneDNN has no brgemm there) float32 and bfloat16 weights go to our own
 panel GEMM instead (PanelLinear, csrc/panel_gemm.cpp): oneDNN's AVX2 GEMM paid a decode step's weight

@@ -192,6 +192,11 @@ class PipelineParallelRunner:
         """Rank 0's device, where the logits come back."""
         return self._rank0().device
 
+    @property
+    def step_tokens(self) -> int:
+        """Rank 0's (every stage has the same config and MLP width)."""
+        return self._rank0().step_tokens
+
     def _rank0(self) -> StageRunner:
         if self.runner is None:
             raise RuntimeError("the pipeline-parallel runner is closed")

@@ -177,6 +177,11 @@ class TensorParallelRunner:
         """Rank 0's device, where the gathered logits come back."""
         return self._rank0().device
 
+    @property
+    def step_tokens(self) -> int:
+        """Rank 0's (every rank has the same config, model and share)."""
+        return self._rank0().step_tokens
+
     def _rank0(self) -> ModelRunner:
         if self.runner is None:
             raise RuntimeError("the tensor-parallel runner is closed")
@@ -200,7 +205,7 @@ class TensorParallelRunner:
         One message per chunk (embed_forward.plan_chunks): the chunk's inputs framed as one word list."""
         runner, channel = self._rank0(), self._channel()
         vectors: list[list[float]] = [[] for _ in token_id_lists]
-        for chunk in plan_chunks([len(ids) for ids in token_id_lists], runner.config.max_num_batched_tokens):
+        for chunk in plan_chunks([len(ids) for ids in token_id_lists], runner.step_tokens):
             inputs = [list(token_id_lists[i]) for i in chunk]
             self._check_workers_alive()
             channel.send_embed(frame_embed_chunk(inputs))

@@ -113,7 +113,7 @@ class ModelRunner:
         self.gguf_path = quantization_format(config.quantization).weight_source(config.model)
         self.hf_config = model.hf_config
         self.max_model_len = model.max_model_len
-        # tokens per forward of the embeddings (and of a draft model's catch-up): step_budget.py
+        # tokens per forward (the Engine's scheduler, the embeddings, a draft's catch-up): step_budget.py
         self.step_tokens = step_token_budget(config.max_num_batched_tokens, hf_config=self.hf_config,
                                              dtype=self.dtype, device=self.device,
                                              tensor_parallel_size=config.tensor_parallel_size)

@@ -63,6 +63,11 @@ class ModelRunnerProtocol(Protocol):
         """Where the logits come back (the sampler works there)."""
         ...
 
+    @property
+    def step_tokens(self) -> int:
+        """Tokens one forward takes: max_num_batched_tokens, on a CPU cut by worker/step_budget.py."""
+        ...
+
     def execute_model(
         self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None
     ) -> torch.Tensor:
