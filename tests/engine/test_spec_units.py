@@ -185,3 +185,21 @@ def test_the_scheduler_plans_lookahead_within_limits_and_never_preempts_for_it()
         seq.token_ids.append(7)
     out = tight.schedule()
     assert out.lookahead == [] and out.preempted == [] and [n for _, n in out.scheduled] == [1, 1]
+
+
+def test_speculation_leaves_a_token_of_budget_for_every_later_running_sequence() -> None:
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.core.block_manager import BlockManager
+    from batchinfer.engine.core.scheduler import Scheduler
+    from batchinfer.engine.sampling_params import SamplingParams
+
+    # A budget of 6 tokens, 4 drafts each: the oldest sequence's drafts alone would take 5 of them.
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+    config = EngineConfig(model="m", block_size=4, max_num_batched_tokens=64, speculative_config=spec)
+    scheduler = Scheduler(config, BlockManager(64, 4), max_model_len=64)
+    running = [_decoding(scheduler, 8, SamplingParams(max_tokens=20), name) for name in "abcd"]
+    scheduler.max_num_batched_tokens = 6
+    out = scheduler.schedule()
+    assert [seq for seq, _ in out.scheduled] == running  # every running sequence moves this step
+    assert out.lookahead == [(0, 2)]  # 6 tokens = a's 1 + 2 drafts, then 1 each for b, c and d
+    assert sum(n for _, n in out.scheduled) + sum(k for _, k in out.lookahead) == 6

@@ -22,8 +22,10 @@ step's [tokens, vocab] logits (256 x 49k floats = 50 MB).
 Speculative decoding (speculative_config): while the running batch holds at most disable_by_batch_size
 sequences, a decoding sequence (its last token is its only uncomputed one) may speculate: besides its
 token it gets lookahead slots for up to k draft tokens, within the token budget, its max_tokens and the
-context, allocated with its blocks (SchedulerOutput.lookahead), and only while a free block is left for
-each later running sequence: otherwise it decodes plainly, so speculation does not cause preemptions.
+context, allocated with its blocks (SchedulerOutput.lookahead), and only while a token of budget and a free
+block are left for each later running sequence: otherwise it decodes plainly, so speculation neither
+preempts anyone nor keeps a later sequence from moving (the running list is never rotated: without that
+reserve the oldest sequences' drafts would take the whole budget, step after step).
 Constrained (structured-output) sequences and requests with speculative_decoding=False never speculate.
 The engine then proposes and runs the entry as 1 + the drafts it got.
 """
@@ -108,8 +110,9 @@ class Scheduler:
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if seq.needs_prompt_logprobs:
                 num_new = min(num_new, PROMPT_LOGPROBS_CHUNK)
-            lookahead = self._lookahead(seq, num_new, budget, k) if k else 0
-            if lookahead and self._leaves_room(seq, num_new + lookahead, len(self.running) - i - 1) \
+            num_later = len(self.running) - i - 1
+            lookahead = self._lookahead(seq, num_new, budget - num_later, k) if k else 0
+            if lookahead and self._leaves_room(seq, num_new + lookahead, num_later) \
                     and self.block_manager.allocate_slots(seq, num_new + lookahead):
                 out.lookahead.append((len(out.scheduled), lookahead))
                 out.scheduled.append((seq, num_new))
@@ -176,7 +179,7 @@ class Scheduler:
         return bm.num_free_blocks - max(needed, 0) >= num_later
 
     def _lookahead(self, seq: Sequence, num_new: int, budget: int, k: int) -> int:
-        """Draft tokens `seq` may verify this step: 0 unless it is decoding and allowed to speculate."""
+        """Draft tokens `seq` may verify within `budget`: 0 unless it is decoding and allowed to speculate."""
         if num_new != 1 or seq.num_computed_tokens + 1 != len(seq.token_ids) or seq.grammar is not None \
                 or not seq.params.speculative_decoding:
             return 0
