@@ -6,9 +6,12 @@ The reference is a measured copy (y.copy_(x) of 256 MiB into touched memory: rea
 on the same threads. Runs csrc/paged_attention.cpp at each path this build has (cpu_attention.set_isa:
 avx2, avx512, avx512_bf16; generic, the portable loops, on request) for fp32 / bf16 caches and int8 / u8
 codes, SmolLM2-135M's attention shape (9 query heads over 3 kv heads of 64), batch x context
-as given.
+as given. With --skew the lengths fall linearly in batch order from the context to a twelfth of it, as in
+a running batch in admission order (the oldest sequences first and longest): the threads' shares of the
+reads are then unequal unless the kernel splits its work by cost.
 
     .venv/bin/python bench/attention_bandwidth.py --batch 32 96 --context 128 512 1024
+    .venv/bin/python bench/attention_bandwidth.py --batch 96 --context 600 --dtypes fp32 bf16 --skew
 """
 
 from __future__ import annotations
@@ -37,15 +40,18 @@ def copy_gbps(mib: int = 256, repeats: int = 5) -> float:
     return 2 * x.numel() * 4 / best / 1e9
 
 
-def cache(batch: int, context: int, kv_heads: int, head_dim: int, dtype: str):
+def cache(batch: int, context: int, kv_heads: int, head_dim: int, dtype: str, skew: bool = False):
     """(k, v, k_params, v_params, block_tables, seq_lens, bytes read) of a random paged cache."""
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
     values = torch.randn(2, num_blocks * BLOCK_SIZE, kv_heads, head_dim)
     tables = torch.randperm(num_blocks).view(batch, blocks_per_seq).to(torch.int32)  # scattered blocks
-    lens = torch.full((batch,), context, dtype=torch.int32)
+    if skew:  # the oldest (first) sequences longest, down to a twelfth of the context
+        lens = torch.linspace(context, max(1, context // 12), batch).round().to(torch.int32)
+    else:
+        lens = torch.full((batch,), context, dtype=torch.int32)
     shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
-    rows = batch * context * kv_heads * 2  # K and V rows read
+    rows = int(lens.sum()) * kv_heads * 2  # K and V rows read
     if dtype in ("int8", "u8"):
         fmt = FORMATS[dtype]
         (kc, kp), (vc, vp) = quantize(values[0], fmt), quantize(values[1], fmt)
@@ -86,6 +92,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--skew", action="store_true",
+                        help="lengths falling in batch order from the context to a twelfth of it")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -94,13 +102,14 @@ def main() -> None:
     copy = copy_gbps()
     print(f"{args.threads} threads, load {os.getloadavg()[0]:.2f}; copy (torch clone, read + write): "
           f"{copy:.1f} GB/s; best path built: {cpu_attention.set_isa('auto')}")
-    print("| cache | batch | context | path | ms / call | KV GB/s | of copy |")
+    print(f"| cache | batch | context{' (longest, lengths falling)' if args.skew else ''} | path | ms / call "
+          "| KV GB/s | of copy |")
     print("|---|---:|---:|---|---:|---:|---:|")
     for dtype in args.dtypes:
         for batch in args.batch:
             for context in args.context:
                 k, v, kp, vp, tables, lens, nbytes = cache(batch, context, args.kv_heads, args.head_dim,
-                                                           dtype)
+                                                           dtype, args.skew)
                 q_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
                 q = torch.randn(batch, args.heads, args.head_dim).to(q_dtype)
                 for path in args.paths:

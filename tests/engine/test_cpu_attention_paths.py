@@ -210,3 +210,31 @@ def test_quantized_decode_groups_equal_the_torch_path(name: str) -> None:
         cache.v_params.view(-1, kv_heads, fmt.num_params).copy_(params)
         outs.append(quantized_paged_attention(q, k, v, cache, plans[native], head_dim**-0.5))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+@pytest.mark.parametrize("lens", [[95, 80, 64, 40, 17, 9, 3, 1], [1], [95, 1]])
+def test_the_work_split_by_cost_computes_every_item_once(threads: int, lens: list[int]) -> None:
+    """Lengths falling in batch order (a running batch in admission order), a batch with fewer (sequence,
+    kv head) items than threads: each thread count gives the one-thread output, bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, num_blocks = 4, 2, 64, 64
+    per_seq = -(-max(lens) // BLOCK_SIZE)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:per_seq] for _ in lens]).int()
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    before = torch.get_num_threads()
+    outputs = []
+    try:
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            out = torch.full_like(q, float("nan"))  # an item left out stays NaN
+            cpu_attention.paged_decode_attention(out, q, k, v, tables, seq_lens, head_dim ** -0.5)
+            outputs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outputs[0], outputs[1])
+    torch.testing.assert_close(outputs[1], _reference(q, k, v, tables, seq_lens, head_dim ** -0.5),
+                               rtol=1e-5, atol=1e-5)

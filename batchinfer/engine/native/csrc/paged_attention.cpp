@@ -456,6 +456,27 @@ static void item_generic(const T* qrow, int64_t q_h, const CacheView<K>& kc, con
     for (int64_t d = 0; d < D; ++d) op[g * o_h + d] = T(acc[g * D + d] * inv_sum[g]);
 }
 
+// A work item's fixed cost in cached tokens' worth (its queries widened, softmax set up, output written).
+constexpr int64_t kItemOverheadTokens = 16;
+
+// The S * Hkv (sequence, kv head) items cut into `parts` contiguous runs of near-equal cost (each item
+// costs its sequence's length plus kItemOverheadTokens): run i is items [bounds[i], bounds[i + 1]). Why:
+// at::parallel_for splits a range into equal counts, and the running list is in admission order, so the
+// first half of a batch holds the oldest, longest sequences: with lengths falling from 600 to 50 tokens
+// one thread did 71% of the reads while the other waited (bench/attention_bandwidth.py --skew).
+static std::vector<int64_t> balanced_bounds(const int32_t* lens, int64_t S, int64_t Hkv, int64_t parts) {
+  std::vector<int64_t> bounds{0};
+  int64_t total = 0;
+  for (int64_t s = 0; s < S; ++s) total += (lens[s] + kItemOverheadTokens) * Hkv;
+  int64_t done = 0;
+  for (int64_t item = 0; item < S * Hkv && int64_t(bounds.size()) < parts; ++item) {
+    done += lens[item / Hkv] + kItemOverheadTokens;
+    if (done * parts >= total * int64_t(bounds.size())) bounds.push_back(item + 1);
+  }
+  bounds.push_back(S * Hkv);
+  return bounds;
+}
+
 template <typename T, typename K>
 static void decode_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                         const torch::Tensor& v_cache, const c10::optional<torch::Tensor>& k_params,
@@ -477,9 +498,10 @@ static void decode_impl(torch::Tensor& out, const torch::Tensor& q, const torch:
   const int64_t row = Hkv * D, block_stride = BS * Hkv * D;
   const float fscale = static_cast<float>(scale);
   const int isa = g_isa.load(std::memory_order_relaxed);
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> bounds = balanced_bounds(lens, S, Hkv, std::max(1, at::get_num_threads()));
+  at::parallel_for(0, int64_t(bounds.size()) - 1, 1, [&](int64_t run0, int64_t run1) {
     std::vector<float> scores, acc(G * D), inv_sum(G), qbuf(G * D + 2 * G);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = bounds[run0]; item < bounds[run1]; ++item) {
       const int64_t s = item / Hkv, hk = item % Hkv, L = lens[s];
       scores.resize(G * L);
       const T* qrow = qp + s * q_s + hk * G * q_h;
