@@ -238,3 +238,17 @@ def test_the_work_split_by_cost_computes_every_item_once(threads: int, lens: lis
     assert torch.equal(outputs[0], outputs[1])
     torch.testing.assert_close(outputs[1], _reference(q, k, v, tables, seq_lens, head_dim ** -0.5),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("lens", "kv_heads", "parts", "bounds"), [
+    ([599, 600], 1, 2, [0, 1, 2]),  # one sequence each, not both on one thread
+    ([500, 510], 3, 2, [0, 3, 6]),  # cut at the nearer side of the item holding the half
+    ([600, 400, 200, 50], 1, 2, [0, 1, 4]),  # the longest first (admission order): 616 against 698
+    ([7], 2, 5, [0, 1, 2]),  # fewer items than threads: no empty runs
+    ([], 3, 2, [0]),
+])
+def test_the_decode_work_is_cut_by_cost(lens: list[int], kv_heads: int, parts: int,
+                                        bounds: list[int]) -> None:
+    """Runs of near-equal cost (length + 16 per item), each cut at the item boundary nearest its share."""
+    extension = cpu_attention.load()
+    assert extension.decode_attention_runs(torch.tensor(lens, dtype=torch.int32), kv_heads, parts) == bounds

@@ -11,6 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged_decode_attention_quantized");
   m.def("set_decode_attention_isa", &set_decode_attention_isa, "set_decode_attention_isa");
   m.def("decode_attention_isa", &decode_attention_isa, "decode_attention_isa");
+  m.def("decode_attention_runs", torch::wrap_pybind_function(decode_attention_runs), "decode_attention_runs");
   m.def("rotary_", torch::wrap_pybind_function(rotary_), "rotary_");
   m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
   m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");

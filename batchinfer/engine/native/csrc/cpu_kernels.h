@@ -29,6 +29,8 @@ void paged_decode_attention_quantized(torch::Tensor out, torch::Tensor q, torch:
                                       torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 std::string set_decode_attention_isa(const std::string& name);  // caps the path; returns the one taken
 std::string decode_attention_isa();                               // the path the kernels take now
+// The item bounds decode attention splits its work at between `parts` threads (tests, benches).
+std::vector<int64_t> decode_attention_runs(torch::Tensor seq_lens, int64_t kv_heads, int64_t parts);
 
 // fused_ops.cpp
 void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);

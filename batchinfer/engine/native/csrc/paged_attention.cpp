@@ -456,24 +456,31 @@ static void item_generic(const T* qrow, int64_t q_h, const CacheView<K>& kc, con
     for (int64_t d = 0; d < D; ++d) op[g * o_h + d] = T(acc[g * D + d] * inv_sum[g]);
 }
 
-// A work item's fixed cost in cached tokens' worth (its queries widened, softmax set up, output written).
+// A work item's fixed cost, in cached tokens' worth (its queries widened, softmax set up, output written).
 constexpr int64_t kItemOverheadTokens = 16;
 
-// The S * Hkv (sequence, kv head) items cut into `parts` contiguous runs of near-equal cost (each item
-// costs its sequence's length plus kItemOverheadTokens): run i is items [bounds[i], bounds[i + 1]). Why:
-// at::parallel_for splits a range into equal counts, and the running list is in admission order, so the
-// first half of a batch holds the oldest, longest sequences: with lengths falling from 600 to 50 tokens
-// one thread did 71% of the reads while the other waited (bench/attention_bandwidth.py --skew).
+// The S * Hkv (sequence, kv head) items cut into at most `parts` contiguous runs of near-equal cost (each
+// item costs its sequence's length plus kItemOverheadTokens): run i is items [bounds[i], bounds[i + 1]).
+// Each cut goes on whichever side of the item holding its share's end is nearer that end. Why: at::
+// parallel_for splits a range into equal counts, and the running list is in admission order, so the first
+// half of a batch holds the oldest, longest sequences: with lengths falling from 600 to 50 tokens one
+// thread did 71% of the reads while the other waited (bench/attention_bandwidth.py --skew).
 static std::vector<int64_t> balanced_bounds(const int32_t* lens, int64_t S, int64_t Hkv, int64_t parts) {
-  std::vector<int64_t> bounds{0};
+  const int64_t items = S * Hkv;
   int64_t total = 0;
   for (int64_t s = 0; s < S; ++s) total += (lens[s] + kItemOverheadTokens) * Hkv;
-  int64_t done = 0;
-  for (int64_t item = 0; item < S * Hkv && int64_t(bounds.size()) < parts; ++item) {
-    done += lens[item / Hkv] + kItemOverheadTokens;
-    if (done * parts >= total * int64_t(bounds.size())) bounds.push_back(item + 1);
+  std::vector<int64_t> bounds{0};
+  int64_t done = 0, share = 1;  // cost of items [0, item); the next cut ends share `share` of `parts`
+  for (int64_t item = 0; item < items && share < parts; ++item) {
+    const int64_t cost = lens[item / Hkv] + kItemOverheadTokens;
+    for (; share < parts && (done + cost) * parts >= total * share; ++share) {
+      const bool nearer_before = total * share - done * parts < (done + cost) * parts - total * share;
+      const int64_t cut = nearer_before ? item : item + 1;
+      if (cut > bounds.back()) bounds.push_back(cut);
+    }
+    done += cost;
   }
-  bounds.push_back(S * Hkv);
+  if (bounds.back() != items) bounds.push_back(items);
   return bounds;
 }
 
@@ -610,3 +617,10 @@ std::string set_decode_attention_isa(const std::string& name) {
 }
 
 std::string decode_attention_isa() { return kIsaNames[g_isa.load()]; }
+
+std::vector<int64_t> decode_attention_runs(torch::Tensor seq_lens, int64_t kv_heads, int64_t parts) {
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.is_contiguous(),
+              "int32 sequence lengths");
+  TORCH_CHECK(kv_heads > 0 && parts > 0, "kv_heads and parts must be positive");
+  return balanced_bounds(seq_lens.data_ptr<int32_t>(), seq_lens.size(0), kv_heads, parts);
+}
