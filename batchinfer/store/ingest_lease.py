@@ -85,8 +85,10 @@ def extend_ingest_lease(engine: Engine, *, job_id: int, owner: str, lease_second
 class IngestLease:
     """Keeps a job's ingest lease alive from a background thread while the `with` block ingests.
 
-    The thread extends the lease every quarter lease (on its own connection, so a long chunk insert does not
-    delay it). `check()` raises IngestLeaseLost once an extension found the lease taken by the rescuer.
+    The thread extends the lease when it starts, then every quarter lease (on its own connection, so a long
+    chunk insert does not delay it). The first extension is at once because the job's first expiry was set
+    before its row was committed: a commit that waited (a quota lock, a slow disk) used up part of the lease.
+    `check()` raises IngestLeaseLost once an extension found the lease taken by the rescuer.
     """
 
     def __init__(self, engine: Engine, *, job_id: int, owner: str, lease_seconds: float) -> None:
@@ -117,7 +119,9 @@ class IngestLease:
             raise IngestLeaseLost(f"job {self.job_id}: the ingest lease expired and the job was failed")
 
     def _run(self) -> None:
-        while not self._stop.wait(self.lease_seconds / 4):
+        wait = 0.0  # the first extension at once
+        while not self._stop.wait(wait):
+            wait = self.lease_seconds / 4
             try:
                 extended = extend_ingest_lease(self.engine, job_id=self.job_id, owner=self.owner,
                                                lease_seconds=self.lease_seconds)
