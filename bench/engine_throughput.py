@@ -160,6 +160,8 @@ def run_ours(prompts, budgets, precision: str, args, eos: frozenset[int],
         llm = LLM(MODEL_ALIAS, max_num_seqs=args.max_num_seqs, device="cpu", **options)
     except (ValueError, NotImplementedError) as exc:
         return f"the engine refused {options}: {exc}"
+    kv_format = getattr(llm.engine.model_runner, "kv_format", None)  # "auto" resolved (u8 under bf16 on CPU)
+    options["kv_cache"] = kv_format.name if kv_format is not None else "model dtype"
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=args.ignore_eos) for n in budgets]
     # Warm-up outside the timing (kernels built, allocator touched) on a prompt that shares no prefix block
     # with the workload, so the timed run's prefix-cache hits are only its own, as for the peers.

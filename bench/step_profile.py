@@ -9,12 +9,13 @@ F.linear, no oneDNN/int8 packing), +onednn / +panel (that dense GEMM; default: B
 the panel GEMM is not a dispatcher op, so --profile counts its time under "other"), +nofuse (torch ops
 instead of the fused norm/rotary/SiLU kernels), +sdpa (decode attention through the padded SDPA path
 instead of the native kernel), +pystep (the Python layer loop instead of issue 34's native step,
-csrc/decoder_stack.cpp).
+csrc/decoder_stack.cpp), +kv=<kv_cache_dtype> (a quantized KV cache: int8, u8, fp8_e4m3, bf16).
 --profile adds a torch.profiler table of one run of each configuration, grouped into GEMMs, attention,
 elementwise/norm/rotary and the rest.
 
     .venv/bin/python bench/step_profile.py --configs float32 bfloat16 float32:int8 --num-prompts 96
     .venv/bin/python bench/step_profile.py --configs float32 --num-prompts 32 --max-tokens 64 --profile
+    .venv/bin/python bench/step_profile.py --configs bfloat16 bfloat16+kv=u8 --num-prompts 96 --rounds 3
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ def main() -> None:
         os.environ[weight_packing.CPU_LINEAR_ENV] = linear
         os.environ[native_step.NATIVE_STEP_ENV] = "0" if "pystep" in flags else "1"
         cpu_attention._FUSED_OFF = "nofuse" in flags  # before the build: the native step needs the fused ops
-        llms[entry] = LLM(args.model, dtype=dtype, device="cpu", quantization=quant or None)
+        kv_cache_dtype = next((flag.removeprefix("kv=") for flag in flags if flag.startswith("kv=")), "auto")
+        llms[entry] = LLM(args.model, dtype=dtype, device="cpu", quantization=quant or None,
+                          kv_cache_dtype=kv_cache_dtype)
         if "sdpa" in flags:
             llms[entry].engine.model_runner.native_decode = False
         cpu_attention._FUSED_OFF = "nofuse" in flags

@@ -75,7 +75,8 @@ def test_kernel_refuses_mixed_dtypes() -> None:
 def test_bf16_native_decode_equals_the_sdpa_path_and_tracks_fp32(request, name: str) -> None:
     """Teacher-forced decode on a bf16 runner through the native kernel, the SDPA path, and fp32."""
     path: Path = request.getfixturevalue(name)
-    runners = {"native": make_runner(path, dtype="bfloat16"), "sdpa": make_runner(path, dtype="bfloat16"),
+    runners = {"native": make_runner(path, dtype="bfloat16", kv_cache_dtype="bf16"),  # a plain bf16 cache
+               "sdpa": make_runner(path, dtype="bfloat16", kv_cache_dtype="bf16"),
                "fp32": make_runner(path, dtype="float32")}
     assert runners["native"].native_decode and runners["native"].kv_cache.dtype == torch.bfloat16
     runners["sdpa"].native_decode = False

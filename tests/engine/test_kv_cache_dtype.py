@@ -10,7 +10,15 @@ import torch
 
 from batchinfer.engine import LLM, SamplingParams
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.layers.kv_quant import FORMATS, dequantize, quantize
+from batchinfer.engine.layers import cpu_attention
+from batchinfer.engine.layers.kv_quant import (
+    AUTO_CPU_BF16,
+    FORMATS,
+    dequantize,
+    quantize,
+    resolve_kv_cache_dtype,
+)
+from batchinfer.engine.worker.model_runner import ModelRunner
 from tests.fixtures.tiny_models import training_sentences
 
 # Worst error of one value as a share of its (token, head) row's max |x|: bf16 and fp8 round the mantissa
@@ -72,3 +80,69 @@ def test_greedy_agrees_with_the_fp32_cache(tiny_llama: Path) -> None:
         same = sum(a == b for a, b in zip(reference, outputs, strict=True) for a, b in zip(a, b, strict=True))
         total = sum(len(r) for r in reference)
         assert same >= AGREEMENT_FLOOR[name] * total, (name, same, total)
+
+
+@pytest.mark.parametrize("name", ["int8", "u8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_store_writes_the_codes_of_the_torch_quantize(name: str, dtype: torch.dtype) -> None:
+    """csrc's store_kv_quantized_ (the native step's and the fused path's store) equals kv_quant.quantize bit
+    for bit, through the rows a step stores (store_rows) and hostile rows: all zeros, constant, huge."""
+    ext = cpu_attention.load()
+    if ext is None:
+        pytest.skip("native CPU extension not built here")
+    fmt = FORMATS[name]
+    torch.manual_seed(0)
+    qkv = (torch.randn(10, 5, 3, 16) * torch.logspace(-3, 3, 10).view(10, 1, 1, 1)).to(dtype)
+    qkv[0, 2] = 0.0
+    qkv[1, 2] = 0.75
+    qkv[2, 2, :, :8] = -3e38 if dtype == torch.float32 else -3e36
+    k, v = qkv[:, 2], qkv[:, 3]  # strided token rows, as narrowed from a step's qkv output
+    codes = [torch.zeros(4, 4, 3, 16, dtype=fmt.storage) for _ in range(2)]
+    params = [torch.zeros(4, 4, 3, fmt.num_params) for _ in range(2)]
+    slots, rows = torch.tensor([13, 0, 7, 4, 9, 15]), torch.tensor([0, 1, 2, 9, 5, 3])
+    ext.store_kv_quantized_(k, v, *codes, *params, slots, rows)
+    for x, got_codes, got_params in ((k, codes[0], params[0]), (v, codes[1], params[1])):
+        want_codes, want_params = quantize(x.index_select(0, rows), fmt)
+        assert want_params is not None
+        assert torch.equal(got_codes.view(-1, 3, 16)[slots], want_codes)
+        assert torch.equal(got_params.view(-1, 3, fmt.num_params)[slots], want_params)
+        untouched = torch.ones(16, dtype=torch.bool)
+        untouched[slots] = False
+        assert not got_codes.view(-1, 3, 16)[untouched].any()
+
+
+def test_native_store_refuses_a_slot_outside_the_cache_before_writing() -> None:
+    ext = cpu_attention.load()
+    if ext is None:
+        pytest.skip("native CPU extension not built here")
+    k = torch.randn(2, 3, 16)
+    codes = [torch.zeros(4, 4, 3, 16, dtype=torch.uint8) for _ in range(2)]
+    params = [torch.zeros(4, 4, 3, 2) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="slot out of the cache"):
+        ext.store_kv_quantized_(k, k, *codes, *params, torch.tensor([3, 16]), None)
+    assert not any(c.any() for c in codes) and not any(p.any() for p in params)
+    with pytest.raises(RuntimeError, match=r"params \[blocks, block_size, Hkv, 1 \(int8\) or 2 \(uint8\)\]"):
+        ext.store_kv_quantized_(k, k, *codes, params[0][..., :1], params[1][..., :1], torch.tensor([0, 1]),
+                                None)
+
+
+def test_auto_is_u8_for_a_bf16_model_where_the_native_kernel_reads_it() -> None:
+    """The measured default (kv_quant.AUTO_CPU_BF16); float32, CUDA and builds without the kernel keep the
+    model dtype, and an explicit value is never changed."""
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, native_u8=True) == AUTO_CPU_BF16 == "u8"
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, native_u8=False) == "auto"
+    assert resolve_kv_cache_dtype("auto", torch.float32, native_u8=True) == "auto"
+    for explicit in ("bf16", "int8", "fp8_e4m3"):
+        assert resolve_kv_cache_dtype(explicit, torch.bfloat16, native_u8=True) == explicit
+
+
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype", "want"),
+                         [("bfloat16", "auto", "u8"), ("bfloat16", "bf16", None), ("float32", "auto", None)])
+def test_the_runner_resolves_auto(tiny_llama: Path, dtype: str, kv_cache_dtype: str,
+                                  want: str | None) -> None:
+    if want is not None and not cpu_attention.supports_quantized(torch.uint8, torch.bfloat16):
+        pytest.skip("native CPU extension not built here: auto keeps the model dtype")
+    runner = ModelRunner(EngineConfig(model=str(tiny_llama), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                      block_size=4, num_kv_blocks=8, device="cpu"))
+    assert (runner.kv_format.name if runner.kv_format is not None else None) == want
+    assert runner.native_step is not None  # the native step runs either cache

@@ -1,6 +1,7 @@
 """The native CPU step (worker/native_step.py, csrc/decoder_stack.cpp) against the Python layer loop it
 replaces: the same logits and the same KV cache, step by step, through prefill, mixed and decode steps,
-in float32, bfloat16 and int8; and the cases that keep the Python loop."""
+in float32, bfloat16 and int8, over caches of the model dtype and of int8 / u8 codes; and the cases that keep
+the Python loop."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ class Seq:
         self.num_computed_tokens = num_computed_tokens
 
 
-def _runner(model: Path, dtype: str, quantization: str | None) -> ModelRunner:
+def _runner(model: Path, dtype: str, quantization: str | None, kv_cache_dtype: str = "auto") -> ModelRunner:
     return ModelRunner(EngineConfig(model=str(model), dtype=dtype, quantization=quantization, block_size=4,
-                                    num_kv_blocks=32, device="cpu"))
+                                    num_kv_blocks=32, device="cpu", kv_cache_dtype=kv_cache_dtype))
 
 
 def _schedule() -> list[list[tuple[int, int]]]:
@@ -39,7 +40,8 @@ def _schedule() -> list[list[tuple[int, int]]]:
 
 
 def _run(runner: ModelRunner) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Logits of every step of _schedule (greedy tokens appended) and the KV cache after the last."""
+    """Logits of every step of _schedule (greedy tokens appended) and the KV cache after the last (a quantized
+    cache: its codes)."""
     vocab = runner.hf_config.vocab_size
     seqs = [Seq([(7 * i + 3 * j) % vocab for j in range(6 + i)], list(range(8 * i, 8 * i + 8)))
             for i in range(3)]
@@ -65,12 +67,13 @@ def test_native_step_equals_the_python_layer_loop(tiny_llama: Path, dtype: str, 
     if linear == "panel" and weight_packing.panel_extension() is None:
         pytest.skip("the panel GEMM needs an AVX2 + FMA build")
     monkeypatch.setenv(weight_packing.CPU_LINEAR_ENV, linear)
-    native = _runner(tiny_llama, dtype, quantization)
+    plain = "bf16" if dtype == "bfloat16" else "auto"  # a cache of the model dtype ("auto" is u8 under bf16)
+    native = _runner(tiny_llama, dtype, quantization, plain)
     if quantization is None:
         kind = weight_packing.PanelLinear if linear == "panel" else weight_packing.OneDnnLinear
         assert isinstance(native.model.model.layers[0].mlp.down_proj.packed, kind)
-    python = _runner(tiny_llama, dtype, quantization)
-    assert native.native_step is not None
+    python = _runner(tiny_llama, dtype, quantization, plain)
+    assert native.native_step is not None and native.kv_format is None
     python.native_step = None
     native_logits, native_cache = _run(native)
     python_logits, python_cache = _run(python)
@@ -79,9 +82,37 @@ def test_native_step_equals_the_python_layer_loop(tiny_llama: Path, dtype: str, 
     torch.testing.assert_close(native_cache, python_cache, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_steps_skip_the_python_attention(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode-only step runs attention in C++; a prefill step calls the Attention layer per layer."""
-    runner = _runner(tiny_llama, "float32", None)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "u8"])
+def test_native_step_over_a_quantized_cache_equals_the_python_layer_loop(
+        tiny_llama: Path, dtype: str, kv_cache_dtype: str) -> None:
+    native = _runner(tiny_llama, dtype, None, kv_cache_dtype)
+    python = _runner(tiny_llama, dtype, None, kv_cache_dtype)
+    assert native.native_step is not None and native.kv_format is not None
+    python.native_step = None
+    native_logits, native_cache = _run(native)
+    python_logits, python_cache = _run(python)
+    for got, expected in zip(native_logits, python_logits, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(native_cache, python_cache)  # the same codes: one store kernel
+    params = [(a.quantized_kv.k_params, a.quantized_kv.v_params) for runner in (native, python)
+              for a in runner.attention_layers if a.quantized_kv is not None]
+    half = len(params) // 2
+    assert half == native.hf_config.num_hidden_layers
+    for (nk, nv), (pk, pv) in zip(params[:half], params[half:], strict=True):
+        assert nk is not None and nv is not None and pk is not None and pv is not None
+        assert torch.equal(nk, pk) and torch.equal(nv, pv)
+
+
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype", "native_attention"),
+                         [("float32", "auto", True), ("bfloat16", "u8", True), ("float32", "int8", True),
+                          ("float32", "bf16", False), ("bfloat16", "fp8_e4m3", False)])
+def test_decode_steps_skip_the_python_attention(tiny_llama: Path, dtype: str, kv_cache_dtype: str,
+                                                native_attention: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode-only step runs attention in C++ over a cache it reads (the model dtype, int8 / u8 codes); a
+    prefill step, or a cache it does not read, calls the Attention layer per layer."""
+    runner = _runner(tiny_llama, dtype, None, kv_cache_dtype)
     assert runner.native_step is not None
     calls: list[int] = []
     attend = runner.native_step._attend
@@ -97,7 +128,7 @@ def test_decode_steps_skip_the_python_attention(tiny_llama: Path, monkeypatch: p
     seq.num_computed_tokens, calls[:] = 5, []
     seq.token_ids.append(6)
     runner.execute_model([(seq, 1)])
-    assert calls == []
+    assert calls == ([] if native_attention else list(range(runner.hf_config.num_hidden_layers)))
 
 
 def test_python_loop_where_the_native_step_does_not_apply(tiny_llama: Path,

@@ -1,8 +1,10 @@
 """Paged attention over a quantized KV cache (kv_quant.py's formats): the torch path, any CPU build.
 
-The step's K/V are quantized on write (one row per token and kv head); each attention group gathers its
-sequences' blocks of codes and params and dequantizes them into the model dtype for one SDPA call, as
-attention.torch_paged_attention does over an unquantized cache (same plan, same masks).
+The step's K/V are quantized on write, one row per token and kv head: int8 / u8 by the extension's
+store_kv_quantized_ in one pass where it is built, else by kv_quant.quantize's torch ops (the same codes).
+Each attention group gathers its sequences' blocks of codes and params and dequantizes them into the model
+dtype for one SDPA call, as attention.torch_paged_attention does over an unquantized cache (same plan, same
+masks).
 
 Decode tokens over int8 / u8 codes go to the native kernel instead, as over a plain cache: the runner asks
 the plan for them (ModelRunner.native_decode) and cpu_attention.paged_decode_attention_quantized (issue 34)
@@ -57,14 +59,27 @@ def _gather(codes: torch.Tensor, params: torch.Tensor | None, block_ids: torch.T
     return dequantize(rows, row_params, fmt, dtype).transpose(1, 2)
 
 
+def _store_native(k: torch.Tensor, v: torch.Tensor, cache: QuantizedKV, plan: TorchAttentionPlan) -> bool:
+    """Store k/v quantized with the extension's one-pass kernel (int8 / u8 codes); False where it cannot."""
+    ops = cpu_attention.fused_ops_for(k)
+    if (ops is None or not hasattr(ops, "store_kv_quantized_") or cache.k_params is None
+            or cache.v_params is None or cache.k_codes.dtype not in cpu_attention.QUANTIZED_CODES
+            or k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride(-2) != v.shape[-1]):
+        return False
+    ops.store_kv_quantized_(k, v, cache.k_codes, cache.v_codes, cache.k_params, cache.v_params,
+                            plan.store_slots, plan.store_rows)  # kv_quant.quantize's arithmetic, bit for bit
+    return True
+
+
 def quantized_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: QuantizedKV,
                               plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
     """Store k/v [T, Hkv, D] quantized into the cache, then attend q [T, H, D]; returns [T, H, D]."""
     num_kv_heads = cache.k_codes.shape[2]
-    if plan.store_rows is not None:
-        k, v = k.index_select(0, plan.store_rows), v.index_select(0, plan.store_rows)
-    _store(cache.k_codes, cache.k_params, k, cache.fmt, plan.store_slots)
-    _store(cache.v_codes, cache.v_params, v, cache.fmt, plan.store_slots)
+    if not _store_native(k, v, cache, plan):
+        if plan.store_rows is not None:
+            k, v = k.index_select(0, plan.store_rows), v.index_select(0, plan.store_rows)
+        _store(cache.k_codes, cache.k_params, k, cache.fmt, plan.store_slots)
+        _store(cache.v_codes, cache.v_params, v, cache.fmt, plan.store_slots)
     out = torch.empty_like(q)
     native = plan.native_decode  # int8 / u8 decode tokens (ModelRunner.native_decode: the kernel reads them)
     if native is not None:

@@ -33,7 +33,7 @@ from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.attention_plan import build_torch_plan
 from batchinfer.engine.layers.context import AttentionContext, set_context
-from batchinfer.engine.layers.kv_quant import kv_cache_format
+from batchinfer.engine.layers.kv_quant import kv_cache_format, resolve_kv_cache_dtype
 from batchinfer.engine.layers.quantization import pack_weights, quantization_format
 from batchinfer.engine.layers.quantized_attention import QuantizedKV
 from batchinfer.engine.models import get_model_class
@@ -121,7 +121,10 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         # Decode tokens on CPU (fp32/bf16) go to the native kernel (built here, once, rather than mid-step).
-        self.kv_format = kv_cache_format(config.kv_cache_dtype, self.dtype)  # None: the model dtype
+        native_u8 = (self.attention_backend == "torch" and self.device.type == "cpu"
+                     and cpu_attention.supports_quantized(torch.uint8, self.dtype))
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, native_u8=native_u8)
+        self.kv_format = kv_cache_format(self.kv_cache_dtype, self.dtype)  # None: the model dtype
         if self.kv_format is not None and self.attention_backend != "torch":
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: needs the torch attention backend "
                              "(CPU)")
@@ -168,7 +171,7 @@ class ModelRunner:
             )
         self.kv_cache: torch.Tensor | None = self._allocate_kv_cache(self.num_kv_blocks)  # None: released
         # CPU: the decoder stack of a step as one C++ call (None: the Python layer loop runs it)
-        self.native_step = (None if config.enable_lora or self.attention_backend != "torch" or self.kv_format
+        self.native_step = (None if config.enable_lora or self.attention_backend != "torch"
                             else NativeStep.build(self.model, self.dtype, self.device))
         if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
             self.decode_graphs.capture(self.model, hidden_size=self.hf_config.hidden_size, dtype=self.dtype,

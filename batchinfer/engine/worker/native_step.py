@@ -8,9 +8,11 @@ bit-identical to the Python loop, which stays as the fallback and the reference.
 
 What runs natively: a whole-model Llama (no pipeline stage, one tensor-parallel rank, no LoRA) on CPU in
 float32 / bfloat16 whose linears are panel-packed, oneDNN-prepacked, fbgemm int8 or plain dense, with the
-fused CPU kernels enabled. A decode-only step runs attention natively too (csrc/paged_attention.cpp); any
-other step (prefill chunks, or a KV cache the native kernel cannot read) calls back into the Attention layer
-once per layer (layers/attention.py stays the one attention entry). Set BATCHINFER_CPU_NATIVE_STEP=0 for the
+fused CPU kernels enabled. A decode-only step runs attention natively too (csrc/paged_attention.cpp), over a
+cache of the model dtype or of int8 / u8 codes (kv_cache_dtype; stored by csrc/fused_ops.cpp's
+store_kv_quantized_, as the Python path stores them); any other step (prefill chunks, or a KV cache the
+native kernel cannot read: bf16 under a float32 model, fp8_e4m3) calls back into the Attention layer once
+per layer (layers/attention.py stays the one attention entry). Set BATCHINFER_CPU_NATIVE_STEP=0 for the
 Python loop (A/B runs).
 """
 
@@ -56,6 +58,9 @@ class DecoderStackHandle(Protocol):
 
     def bind_caches(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None: ...
 
+    def bind_quantized_caches(self, k_codes: list[torch.Tensor], v_codes: list[torch.Tensor],
+                              k_params: list[torch.Tensor], v_params: list[torch.Tensor]) -> None: ...
+
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                 rows: torch.Tensor | None, block_tables: torch.Tensor | None, seq_lens: torch.Tensor | None,
                 attention: object) -> torch.Tensor: ...
@@ -99,6 +104,7 @@ class NativeStep:
         self.stack = stack
         self.attention_layers = attention_layers
         self._bound_cache: torch.Tensor | None = None  # layer 0's k_cache when the caches were bound
+        self._native_cache = False  # the bound caches are ones the C++ attention reads (plain or int8 / u8)
 
     @classmethod
     def build(cls, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> NativeStep | None:
@@ -134,12 +140,22 @@ class NativeStep:
                             layer.post_attention_layernorm.weight.detach(), spec or [])
         return cls(model, stack, attentions)
 
-    def _bind_caches(self) -> None:
+    def _bind_caches(self, dtype: torch.dtype) -> None:
         """Hand the C++ stack the layers' current cache views (again whenever the runner reallocated them)."""
-        if self._bound_cache is not self.attention_layers[0].k_cache:
-            self.stack.bind_caches([a.k_cache for a in self.attention_layers],
-                                   [a.v_cache for a in self.attention_layers])
-            self._bound_cache = self.attention_layers[0].k_cache
+        layers = self.attention_layers
+        if self._bound_cache is layers[0].k_cache:
+            return
+        quantized = [a.quantized_kv for a in layers]
+        codes = [(q.k_codes, q.v_codes, q.k_params, q.v_params) for q in quantized
+                 if q is not None and q.k_params is not None and q.v_params is not None
+                 and q.k_codes.dtype in cpu_attention.QUANTIZED_CODES]
+        if len(codes) == len(layers):  # int8 / u8 codes with their params
+            self.stack.bind_quantized_caches(*(list(part) for part in zip(*codes, strict=True)))
+            self._native_cache = True
+        else:
+            self.stack.bind_caches([a.k_cache for a in layers], [a.v_cache for a in layers])
+            self._native_cache = all(q is None for q in quantized) and layers[0].k_cache.dtype == dtype
+        self._bound_cache = layers[0].k_cache
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The Python attention of one layer (steps the native kernel does not take alone)."""
@@ -154,11 +170,10 @@ class NativeStep:
         plan = context.torch_plan
         if plan is None:
             raise RuntimeError("the native CPU step needs the torch attention backend's plan")
-        self._bind_caches()
+        self._bind_caches(hidden.dtype)
         decode = plan.native_decode
-        k_cache = self.attention_layers[0].k_cache
         decode_only = not plan.groups and decode is not None and decode.token_index is None
-        if decode is not None and decode_only and k_cache.dtype == hidden.dtype:
+        if decode is not None and decode_only and self._native_cache:
             return self.stack.forward(hidden, cos.contiguous(), sin.contiguous(), plan.store_slots,
                                       plan.store_rows, decode.block_tables, decode.seq_lens, None)
         return self.stack.forward(hidden, cos.contiguous(), sin.contiguous(), plan.store_slots,

@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
   m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
   m.def("store_kv_", torch::wrap_pybind_function(store_kv_), "store_kv_");
+  m.def("store_kv_quantized_", torch::wrap_pybind_function(store_kv_quantized_), "store_kv_quantized_");
   m.def("scale_rows", torch::wrap_pybind_function(scale_rows), "scale_rows");
   m.def("q4_linear", torch::wrap_pybind_function(q4_linear), "q4_linear");
   m.def("q8_linear", torch::wrap_pybind_function(q8_linear), "q8_linear");

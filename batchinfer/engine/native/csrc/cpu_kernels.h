@@ -39,6 +39,10 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor
                                     torch::Tensor weight, double eps);
 void store_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                torch::Tensor slots, c10::optional<torch::Tensor> rows);
+// k, v quantized per (token, kv head) row into int8 / uint8 codes and float32 params (kv_quant.py's formats)
+void store_kv_quantized_(torch::Tensor k, torch::Tensor v, torch::Tensor k_codes, torch::Tensor v_codes,
+                         torch::Tensor k_params, torch::Tensor v_params, torch::Tensor slots,
+                         c10::optional<torch::Tensor> rows);
 std::vector<torch::Tensor> scale_rows(torch::Tensor x, double floor);
 
 // gguf_linear.cpp

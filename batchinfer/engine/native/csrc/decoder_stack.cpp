@@ -6,8 +6,10 @@
 // same kernels in the same order (fused_ops.cpp, paged_attention.cpp, panel_gemm.cpp, oneDNN's prepacked GEMM
 // or fbgemm's dynamic int8 GEMM through the dispatcher), so its output is bit-identical to the Python path.
 //
-// A step that is not decode-only (prefill chunks, whose attention runs as padded SDPA groups) or whose KV
-// cache the native kernel cannot read passes `attention`, a Python callable (layer, q, k, v) -> [T, H * D]:
+// A quantized cache (int8 / u8 codes) is stored and read by the same kernels the Python path calls
+// (store_kv_quantized_, paged_decode_attention_quantized). A step that is not decode-only (prefill chunks,
+// whose attention runs as padded SDPA groups) or whose KV cache the native kernel cannot read passes
+// `attention`, a Python callable (layer, q, k, v) -> [T, H * D]:
 // only attention then runs in Python, once per layer.
 
 #include <torch/extension.h>
@@ -95,7 +97,8 @@ NativeLinear make_linear(int64_t kind, torch::Tensor weight, c10::optional<torch
 struct DecoderLayer {
   torch::Tensor input_norm, post_attention_norm;
   NativeLinear qkv, o_proj, gate_up, down;
-  torch::Tensor k_cache, v_cache;
+  torch::Tensor k_cache, v_cache;    // the model dtype, or int8 / uint8 codes when k_params is defined
+  torch::Tensor k_params, v_params;  // a quantized cache's float32 params [NB, BS, Hkv, P]; else undefined
 };
 
 }  // namespace
@@ -119,7 +122,8 @@ class DecoderStack {
                                  t[2].cast<c10::optional<torch::Tensor>>(), t[3].cast<py::object>(),
                                  t[4].cast<bool>(), t[5].cast<bool>(), t[6].cast<int64_t>()));
     layers_.push_back(DecoderLayer{std::move(input_norm), std::move(post_attention_norm), made[0], made[1],
-                                   made[2], made[3], torch::Tensor(), torch::Tensor()});
+                                   made[2], made[3], torch::Tensor(), torch::Tensor(), torch::Tensor(),
+                                   torch::Tensor()});
   }
 
   void bind_caches(std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches) {
@@ -128,6 +132,19 @@ class DecoderStack {
     for (size_t i = 0; i < layers_.size(); ++i) {
       layers_[i].k_cache = k_caches[i];
       layers_[i].v_cache = v_caches[i];
+      layers_[i].k_params = layers_[i].v_params = torch::Tensor();
+    }
+  }
+
+  // A quantized cache (kv_quant.py's int8 / u8): per layer, the codes and their float32 params.
+  void bind_quantized_caches(std::vector<torch::Tensor> k_codes, std::vector<torch::Tensor> v_codes,
+                             std::vector<torch::Tensor> k_params, std::vector<torch::Tensor> v_params) {
+    TORCH_CHECK(k_params.size() == layers_.size() && v_params.size() == layers_.size(),
+                "one params tensor per layer");
+    bind_caches(std::move(k_codes), std::move(v_codes));
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      layers_[i].k_params = k_params[i];
+      layers_[i].v_params = v_params[i];
     }
   }
 
@@ -167,9 +184,15 @@ class DecoderStack {
       torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, kv_heads_, head_dim_});
       torch::Tensor attended;
       if (attention == nullptr) {
-        store_kv_(k, v, layer.k_cache, layer.v_cache, slots, rows);
         attended = torch::empty_like(q);
-        paged_decode_attention(attended, q, layer.k_cache, layer.v_cache, *block_tables, *seq_lens, scale_);
+        if (layer.k_params.defined()) {
+          store_kv_quantized_(k, v, layer.k_cache, layer.v_cache, layer.k_params, layer.v_params, slots, rows);
+          paged_decode_attention_quantized(attended, q, layer.k_cache, layer.v_cache, layer.k_params,
+                                           layer.v_params, *block_tables, *seq_lens, scale_);
+        } else {
+          store_kv_(k, v, layer.k_cache, layer.v_cache, slots, rows);
+          paged_decode_attention(attended, q, layer.k_cache, layer.v_cache, *block_tables, *seq_lens, scale_);
+        }
         attended = attended.reshape({-1, q_size});
       } else {
         attended = (*attention)(static_cast<int64_t>(i), q, k, v).cast<torch::Tensor>();
@@ -193,6 +216,7 @@ void bind_decoder_stack(py::module& m) {
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("bind_caches", &DecoderStack::bind_caches)
+      .def("bind_quantized_caches", &DecoderStack::bind_quantized_caches)
       .def("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward);
 }

@@ -1,5 +1,5 @@
-// Fused CPU elementwise ops of a decoder layer (rotary, SiLU-and-mul, add + RMSNorm, K/V store, int8's
-// per-token row scaling).
+// Fused CPU elementwise ops of a decoder layer (rotary, SiLU-and-mul, add + RMSNorm, K/V store plain or
+// quantized to int8 / uint8 codes, int8's per-token row scaling).
 //
 // Why: rotary is 14 small torch ops per layer, SiLU-and-mul 3, add + RMSNorm 9, the K/V store 2-4
 // (index_select, index_copy_) and int8's per-token row scaling 4, each a dispatch plus a pass over memory;
@@ -206,6 +206,110 @@ void store_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::T
     std::memcpy(kc + slot[i] * bytes, kp + r * ks, bytes);
     std::memcpy(vc + slot[i] * bytes, vp + r * vs, bytes);
   }
+}
+
+// One (token, kv head) row of D values quantized as kv_quant.py's quantize does, in the same float32
+// arithmetic (exact IEEE division, round half to even), so the codes and params are bit-identical:
+// int8: scale = max(max |x| / 127, 1e-8), code = round(x / scale) in [-127, 127], params [scale];
+// uint8: scale = max((max - min) / 255, 1e-8), code = round((x - min) / scale) in [0, 255], params [scale, min].
+template <typename T, typename Code>
+__attribute__((optimize("no-fast-math"))) static void quantize_kv_row(const T* x, int64_t D, Code* codes,
+                                                                      float* params) {
+  constexpr bool kSigned = std::is_same_v<Code, int8_t>;
+  float low = LOAD_F32(T, x, 0), high = low;
+  for (int64_t i = 1; i < D; ++i) {  // builtins and ternaries only: no calls in a no-fast-math function
+    const float a = LOAD_F32(T, x, i);
+    low = a < low ? a : low;
+    high = a > high ? a : high;
+  }
+  if constexpr (kSigned) {
+    const float a = __builtin_fabsf(low), b = __builtin_fabsf(high);
+    const float peak = a > b ? a : b;
+    const float q = peak / 127.0f;
+    const float scale = q < 1e-8f ? 1e-8f : q;
+    for (int64_t i = 0; i < D; ++i) {
+      const float c = __builtin_rintf(LOAD_F32(T, x, i) / scale);
+      codes[i] = static_cast<Code>(c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c));
+    }
+    params[0] = scale;
+  } else {
+    const float q = (high - low) / 255.0f;
+    const float scale = q < 1e-8f ? 1e-8f : q;
+    for (int64_t i = 0; i < D; ++i) {
+      const float c = __builtin_rintf((LOAD_F32(T, x, i) - low) / scale);
+      codes[i] = static_cast<Code>(c < 0.0f ? 0.0f : (c > 255.0f ? 255.0f : c));
+    }
+    params[0] = scale;
+    params[1] = low;
+  }
+}
+
+template <typename T, typename Code>
+static void store_kv_quantized_impl(const torch::Tensor& x, const torch::Tensor& codes,
+                                    const torch::Tensor& params, const int64_t* slot, const int64_t* row,
+                                    int64_t n) {
+  const int64_t heads = codes.size(2), D = codes.size(3), P = params.size(3);
+  const T* src = static_cast<const T*>(x.data_ptr());
+  Code* dst = static_cast<Code*>(codes.data_ptr());
+  float* prm = params.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = row == nullptr ? i : row[i];
+      for (int64_t h = 0; h < heads; ++h)
+        quantize_kv_row<T, Code>(src + r * stride + h * D, D, dst + (slot[i] * heads + h) * D,
+                                 prm + (slot[i] * heads + h) * P);
+    }
+  });
+}
+
+void store_kv_quantized_(torch::Tensor k, torch::Tensor v, torch::Tensor k_codes, torch::Tensor v_codes,
+                         torch::Tensor k_params, torch::Tensor v_params, torch::Tensor slots,
+                         c10::optional<torch::Tensor> rows) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
+              k.stride(1) == k.size(2) && v.stride(1) == v.size(2), "k, v [T, Hkv, D], rows of Hkv * D");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
+              (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16), "float32 or bf16 k, v");
+  const auto code = k_codes.scalar_type();
+  TORCH_CHECK((code == at::kChar || code == at::kByte) && v_codes.scalar_type() == code,
+              "int8 or uint8 codes");
+  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_codes.dim() == 4 &&
+              v_codes.sizes() == k_codes.sizes() && k_codes.size(2) == k.size(1) &&
+              k_codes.size(3) == k.size(2),
+              "codes [blocks, block_size, Hkv, D]");
+  const int64_t P = code == at::kChar ? 1 : 2;
+  TORCH_CHECK(k_params.scalar_type() == at::kFloat && v_params.scalar_type() == at::kFloat &&
+              k_params.is_contiguous() && v_params.is_contiguous() && k_params.dim() == 4 &&
+              v_params.sizes() == k_params.sizes() && k_params.size(0) == k_codes.size(0) &&
+              k_params.size(1) == k_codes.size(1) && k_params.size(2) == k_codes.size(2) &&
+              k_params.size(3) == P, "float32 params [blocks, block_size, Hkv, 1 (int8) or 2 (uint8)]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "int64 slots");
+  const int64_t n = slots.numel(), capacity = k_codes.size(0) * k_codes.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* row = nullptr;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->numel() == n,
+                "int64 rows");
+    row = rows->data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(n == k.size(0), "one slot per token");
+  }
+  for (int64_t i = 0; i < n; ++i) {  // checked before any write: a bad slot leaves the cache untouched
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "slot out of the cache");
+    TORCH_CHECK(row == nullptr || (row[i] >= 0 && row[i] < k.size(0)), "row out of k");
+  }
+  const bool f32 = k.scalar_type() == at::kFloat;
+  const auto store = [&](const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& params) {
+    if (code == at::kChar) {
+      if (f32) store_kv_quantized_impl<float, int8_t>(x, codes, params, slot, row, n);
+      else store_kv_quantized_impl<bf16, int8_t>(x, codes, params, slot, row, n);
+    } else {
+      if (f32) store_kv_quantized_impl<float, uint8_t>(x, codes, params, slot, row, n);
+      else store_kv_quantized_impl<bf16, uint8_t>(x, codes, params, slot, row, n);
+    }
+  };
+  store(k, k_codes, k_params);
+  store(v, v_codes, v_params);
 }
 
 // Each row of x [T, K] float32 divided by its max |x| (at least `floor`): [x / m, m [T, 1]] (int8's
