@@ -70,7 +70,9 @@ class ModelIdentity:
     quantization: str | None
     adapter: str | None = None
     adapter_fingerprint: str | None = None
-    kv_cache_dtype: str = "auto"  # a quantized KV cache changes outputs as the weights' dtype does
+    # the resolved KV cache (EngineConfig.resolved_kv_cache_dtype: u8 under bfloat16 on CPU): a quantized
+    # cache changes outputs as the weights' dtype does
+    kv_cache_dtype: str = "auto"
 
     def key_fields(self) -> dict[str, object]:
         """Everything of the identity the cache key covers (with the engine's numerics version)."""
@@ -127,7 +129,7 @@ def model_identity(config: EngineConfig, *, served_model: str, adapter: tuple[st
     if adapter is not None:
         name, adapter_fp = adapter[0], fingerprint_dir(Path(adapter[1]), cache_dir=cache)
     return ModelIdentity(served_model, fingerprint, dtype, config.quantization, name, adapter_fp,
-                         config.kv_cache_dtype)
+                         config.resolved_kv_cache_dtype())
 
 
 def runner_identity(config: EngineConfig, served: str, *, model: str,

@@ -83,8 +83,15 @@ def require_device(device: str) -> None:
                                      "--device cpu, or a cuda:N below that count")
 
 
-# "auto": the model dtype; else kv_quant.FORMATS (int8: per token and head scale; u8: scale and zero point)
+# "auto": KV_CACHE_AUTO_CPU_BF16 under a bfloat16 model on CPU, else the model dtype; the others are
+# kv_quant.FORMATS (int8: per token and head scale; u8: scale and zero point)
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "int8", "u8")
+# What "auto" is for a bfloat16 model on CPU (issue 34): measured 0.99-1.25x the bf16 cache's tok/s on SmolLM2
+# (more the longer the contexts) with the native kernels, 1.78x the tokens in the same memory (head_dim 64),
+# at 0.18% of a fixed text's mean log-probability (bench/quality.py); OpenVINO's CPU default too. Resolved
+# from the config alone, so every rank and the result-cache key agree (without the native kernels the
+# torch path reads it, slower).
+KV_CACHE_AUTO_CPU_BF16 = "u8"
 
 
 @dataclass
@@ -100,7 +107,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30  # KV cache budget on CPU
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"  # auto = bfloat16 on CUDA and on CPUs with native bf16 (see resolved_dtype)
-    # KV cache element type: "auto" (the model dtype) or KV_CACHE_DTYPES' quantized formats (CPU only)
+    # KV cache element type: "auto" (resolved_kv_cache_dtype) or KV_CACHE_DTYPES' formats (CPU only)
     kv_cache_dtype: str = "auto"
     quantization: str | None = None  # None, "int8" (int8 weights, fbgemm), "gguf" (a .gguf's own blocks)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
@@ -224,6 +231,15 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.resolved_dtype_name())
+
+    def resolved_kv_cache_dtype(self) -> str:
+        """kv_cache_dtype with "auto" resolved: KV_CACHE_AUTO_CPU_BF16 for a bfloat16 model on CPU, else
+        "auto" (the model dtype: float32 stays token-exact with transformers, CUDA keeps its own cache)."""
+        if (self.kv_cache_dtype == "auto" and self.attention_backend != "triton"
+                and self.resolved_dtype_name() == "bfloat16"
+                and not self.resolved_device().startswith("cuda")):
+            return KV_CACHE_AUTO_CPU_BF16
+        return self.kv_cache_dtype
 
     def resolved_dtype_name(self) -> str:
         """resolved_dtype's name ("bfloat16", ...): torch is imported only to resolve device "auto"."""

@@ -9,15 +9,9 @@ import pytest
 import torch
 
 from batchinfer.engine import LLM, SamplingParams
-from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.config import KV_CACHE_AUTO_CPU_BF16, EngineConfig
 from batchinfer.engine.layers import cpu_attention
-from batchinfer.engine.layers.kv_quant import (
-    AUTO_CPU_BF16,
-    FORMATS,
-    dequantize,
-    quantize,
-    resolve_kv_cache_dtype,
-)
+from batchinfer.engine.layers.kv_quant import FORMATS, dequantize, quantize
 from batchinfer.engine.worker.model_runner import ModelRunner
 from tests.fixtures.tiny_models import training_sentences
 
@@ -126,23 +120,39 @@ def test_native_store_refuses_a_slot_outside_the_cache_before_writing() -> None:
                                 None)
 
 
-def test_auto_is_u8_for_a_bf16_model_where_the_native_kernel_reads_it() -> None:
-    """The measured default (kv_quant.AUTO_CPU_BF16); float32, CUDA and builds without the kernel keep the
-    model dtype, and an explicit value is never changed."""
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16, native_u8=True) == AUTO_CPU_BF16 == "u8"
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16, native_u8=False) == "auto"
-    assert resolve_kv_cache_dtype("auto", torch.float32, native_u8=True) == "auto"
+def test_auto_is_u8_for_a_bf16_model_on_cpu() -> None:
+    """The measured default (KV_CACHE_AUTO_CPU_BF16), resolved from the config alone so that every rank and
+    the result-cache key agree; float32 keeps the model dtype, and an explicit value is never changed."""
+    def resolved(**kwargs: str) -> str:
+        return EngineConfig(model="m", device="cpu", **kwargs).resolved_kv_cache_dtype()
+
+    assert resolved(dtype="bfloat16") == KV_CACHE_AUTO_CPU_BF16 == "u8"
+    assert resolved(dtype="float32") == "auto"
     for explicit in ("bf16", "int8", "fp8_e4m3"):
-        assert resolve_kv_cache_dtype(explicit, torch.bfloat16, native_u8=True) == explicit
+        assert resolved(dtype="bfloat16", kv_cache_dtype=explicit) == explicit
 
 
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype", "want"),
                          [("bfloat16", "auto", "u8"), ("bfloat16", "bf16", None), ("float32", "auto", None)])
 def test_the_runner_resolves_auto(tiny_llama: Path, dtype: str, kv_cache_dtype: str,
                                   want: str | None) -> None:
-    if want is not None and not cpu_attention.supports_quantized(torch.uint8, torch.bfloat16):
-        pytest.skip("native CPU extension not built here: auto keeps the model dtype")
     runner = ModelRunner(EngineConfig(model=str(tiny_llama), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                                       block_size=4, num_kv_blocks=8, device="cpu"))
     assert (runner.kv_format.name if runner.kv_format is not None else None) == want
-    assert runner.native_step is not None  # the native step runs either cache
+
+
+def test_native_store_keeps_a_nan_row_nan_and_its_codes_defined() -> None:
+    """A NaN K/V row reads back as NaN (its params are NaN, as torch's amax / amin make them); its codes
+    are 0, not a float -> int cast of NaN."""
+    ext = cpu_attention.load()
+    if ext is None:
+        pytest.skip("native CPU extension not built here")
+    for storage, num_params in ((torch.uint8, 2), (torch.int8, 1)):
+        k = torch.randn(2, 1, 16)
+        k[0, 0, 5] = float("nan")
+        k[1, 0, 3] = float("inf")
+        codes = [torch.full((1, 2, 1, 16), 7, dtype=storage) for _ in range(2)]
+        params = [torch.zeros(1, 2, 1, num_params) for _ in range(2)]
+        ext.store_kv_quantized_(k, k, *codes, *params, torch.tensor([0, 1]), None)
+        assert params[0][0, 0].isnan().all() and not codes[0][0, 0].any()
+        assert not codes[0][0, 1].isnan().any()  # the inf row: defined codes (inf / inf is a NaN code: 0)

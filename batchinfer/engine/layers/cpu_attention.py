@@ -15,7 +15,7 @@ to float32 in registers, and scores, softmax and sums stay float32. A quantized 
 Built with torch.utils.cpp_extension (g++, ninja) by native_build.py: once per installation and cache
 key (sources, torch, Python, flags, CPU), at install by `batchinfer build-kernels`, else on first use with
 a visible line on stderr. If the build fails, or BATCHINFER_CPU_ATTENTION=sdpa is set, `load()` returns
-None and the torch path is used: same results, slower.
+None and the torch path is used: the same computation in other float sums, slower.
 """
 
 from __future__ import annotations

@@ -44,24 +44,9 @@ FORMATS = {
 }
 
 
-# What "auto" is for a bfloat16 model on CPU where the native decode kernel reads u8 codes (issue 34):
-# measured faster than the bf16 cache (1.04-1.25x tok/s on SmolLM2, more the longer the contexts), holding
-# 1.9x the tokens, at 0.18% of the fixed text's mean log-probability (bench/quality.py); OpenVINO's CPU
-# default too.
-AUTO_CPU_BF16 = "u8"
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, *, native_u8: bool) -> str:
-    """kv_cache_dtype with "auto" resolved: AUTO_CPU_BF16 for a bfloat16 model whose decode kernel reads u8
-    codes natively (native_u8: CPU, torch attention backend, extension built), else "auto" (the model dtype:
-    float32 stays token-exact with transformers, CUDA keeps its Triton kernels' cache)."""
-    if kv_cache_dtype == "auto" and model_dtype == torch.bfloat16 and native_u8:
-        return AUTO_CPU_BF16
-    return kv_cache_dtype
-
-
 def kv_cache_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVCacheFormat | None:
-    """The format of a resolved kv_cache_dtype; None when the cache simply holds the model dtype ("auto")."""
+    """The format of a resolved kv_cache_dtype (EngineConfig.resolved_kv_cache_dtype); None when the cache
+    simply holds the model dtype ("auto")."""
     if kv_cache_dtype == "auto" or (kv_cache_dtype == "bf16" and model_dtype == torch.bfloat16):
         return None
     return FORMATS[kv_cache_dtype]

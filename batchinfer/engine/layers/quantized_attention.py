@@ -64,7 +64,8 @@ def _store_native(k: torch.Tensor, v: torch.Tensor, cache: QuantizedKV, plan: To
     ops = cpu_attention.fused_ops_for(k)
     if (ops is None or not hasattr(ops, "store_kv_quantized_") or cache.k_params is None
             or cache.v_params is None or cache.k_codes.dtype not in cpu_attention.QUANTIZED_CODES
-            or k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride(-2) != v.shape[-1]):
+            or k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride(-2) != k.shape[-1]
+            or v.stride(-2) != v.shape[-1]):
         return False
     ops.store_kv_quantized_(k, v, cache.k_codes, cache.v_codes, cache.k_params, cache.v_params,
                             plan.store_slots, plan.store_rows)  # kv_quant.quantize's arithmetic, bit for bit

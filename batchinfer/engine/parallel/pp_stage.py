@@ -226,8 +226,9 @@ class StageRunner(ModelRunner):
         # Every stage must hold the same block ids: agree on the smallest count over the whole pipeline.
         agreed = _world_min(self.num_kv_blocks, self.device)
         if agreed != self.num_kv_blocks:
-            for attn in self.attention_layers:
+            for attn in self.attention_layers:  # the old cache freed before the agreed one is allocated
                 attn.k_cache = attn.v_cache = torch.empty(0)
+                attn.quantized_kv = None  # its codes and params views would keep the old cache alive
             self.kv_cache = None
             self.num_kv_blocks = agreed
             self.kv_cache = self._allocate_kv_cache(agreed)

@@ -33,7 +33,7 @@ from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.attention_plan import build_torch_plan
 from batchinfer.engine.layers.context import AttentionContext, set_context
-from batchinfer.engine.layers.kv_quant import kv_cache_format, resolve_kv_cache_dtype
+from batchinfer.engine.layers.kv_quant import kv_cache_format
 from batchinfer.engine.layers.quantization import pack_weights, quantization_format
 from batchinfer.engine.layers.quantized_attention import QuantizedKV
 from batchinfer.engine.models import get_model_class
@@ -121,9 +121,7 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         # Decode tokens on CPU (fp32/bf16) go to the native kernel (built here, once, rather than mid-step).
-        native_u8 = (self.attention_backend == "torch" and self.device.type == "cpu"
-                     and cpu_attention.supports_quantized(torch.uint8, self.dtype))
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, native_u8=native_u8)
+        self.kv_cache_dtype = config.resolved_kv_cache_dtype()  # "auto": u8 under bfloat16 on CPU
         self.kv_format = kv_cache_format(self.kv_cache_dtype, self.dtype)  # None: the model dtype
         if self.kv_format is not None and self.attention_backend != "torch":
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: needs the torch attention backend "

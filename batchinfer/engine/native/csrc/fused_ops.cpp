@@ -212,6 +212,8 @@ void store_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::T
 // arithmetic (exact IEEE division, round half to even), so the codes and params are bit-identical:
 // int8: scale = max(max |x| / 127, 1e-8), code = round(x / scale) in [-127, 127], params [scale];
 // uint8: scale = max((max - min) / 255, 1e-8), code = round((x - min) / scale) in [0, 255], params [scale, min].
+// A NaN in the row makes the params NaN, as torch's amax / amin do (the row reads back as NaN); a code
+// that is NaN (that row, or inf / inf) is stored as 0, where a float -> int cast would be undefined.
 template <typename T, typename Code>
 __attribute__((optimize("no-fast-math"))) static void quantize_kv_row(const T* x, int64_t D, Code* codes,
                                                                       float* params) {
@@ -219,8 +221,8 @@ __attribute__((optimize("no-fast-math"))) static void quantize_kv_row(const T* x
   float low = LOAD_F32(T, x, 0), high = low;
   for (int64_t i = 1; i < D; ++i) {  // builtins and ternaries only: no calls in a no-fast-math function
     const float a = LOAD_F32(T, x, i);
-    low = a < low ? a : low;
-    high = a > high ? a : high;
+    low = (a < low || a != a) ? a : low;  // a NaN, once taken, stays: every comparison with it is false
+    high = (a > high || a != a) ? a : high;
   }
   if constexpr (kSigned) {
     const float a = __builtin_fabsf(low), b = __builtin_fabsf(high);
@@ -229,7 +231,7 @@ __attribute__((optimize("no-fast-math"))) static void quantize_kv_row(const T* x
     const float scale = q < 1e-8f ? 1e-8f : q;
     for (int64_t i = 0; i < D; ++i) {
       const float c = __builtin_rintf(LOAD_F32(T, x, i) / scale);
-      codes[i] = static_cast<Code>(c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c));
+      codes[i] = static_cast<Code>(c != c ? 0.0f : (c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c)));
     }
     params[0] = scale;
   } else {
@@ -237,7 +239,7 @@ __attribute__((optimize("no-fast-math"))) static void quantize_kv_row(const T* x
     const float scale = q < 1e-8f ? 1e-8f : q;
     for (int64_t i = 0; i < D; ++i) {
       const float c = __builtin_rintf((LOAD_F32(T, x, i) - low) / scale);
-      codes[i] = static_cast<Code>(c < 0.0f ? 0.0f : (c > 255.0f ? 255.0f : c));
+      codes[i] = static_cast<Code>(c != c ? 0.0f : (c < 0.0f ? 0.0f : (c > 255.0f ? 255.0f : c)));
     }
     params[0] = scale;
     params[1] = low;
