@@ -169,6 +169,28 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor
 // Write row rows[i] (i when rows is absent) of k and v [T, Hkv, D] into cache slot slots[i] of k_cache and
 // v_cache [blocks, block_size, Hkv, D]: index_select + index_copy_ in one pass, reading k/v in place (they
 // are strided views of the qkv projection).
+// A K/V store's slots (and rows of k / v, or None: one slot per token), checked before any write so that a
+// bad slot leaves the cache untouched; returns the rows' pointer (nullptr: token i goes to slot i).
+static const int64_t* checked_store_rows(const torch::Tensor& slots, const c10::optional<torch::Tensor>& rows,
+                                         int64_t tokens, int64_t capacity) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "int64 slots");
+  const int64_t n = slots.numel();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* row = nullptr;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->numel() == n,
+                "int64 rows");
+    row = rows->data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(n == tokens, "one slot per token");
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "slot out of the cache");
+    TORCH_CHECK(row == nullptr || (row[i] >= 0 && row[i] < tokens), "row out of k");
+  }
+  return row;
+}
+
 void store_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                torch::Tensor slots, c10::optional<torch::Tensor> rows) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
@@ -179,22 +201,9 @@ void store_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::T
               "caches [blocks, block_size, Hkv, D]");
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
               v_cache.scalar_type() == k.scalar_type(), "k, v and the caches of one dtype");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "int64 slots");
   const int64_t n = slots.numel(), width = k.size(1) * k.size(2);
-  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* row = nullptr;
-  if (rows.has_value()) {
-    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->numel() == n,
-                "int64 rows");
-    row = rows->data_ptr<int64_t>();
-  } else {
-    TORCH_CHECK(n == k.size(0), "one slot per token");
-  }
-  for (int64_t i = 0; i < n; ++i) {  // checked before any write: a bad slot leaves the cache untouched
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "slot out of the cache");
-    TORCH_CHECK(row == nullptr || (row[i] >= 0 && row[i] < k.size(0)), "row out of k");
-  }
+  const int64_t* row = checked_store_rows(slots, rows, k.size(0), k_cache.size(0) * k_cache.size(1));
   const int64_t bytes = width * k.element_size();
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
@@ -285,21 +294,9 @@ void store_kv_quantized_(torch::Tensor k, torch::Tensor v, torch::Tensor k_codes
               v_params.sizes() == k_params.sizes() && k_params.size(0) == k_codes.size(0) &&
               k_params.size(1) == k_codes.size(1) && k_params.size(2) == k_codes.size(2) &&
               k_params.size(3) == P, "float32 params [blocks, block_size, Hkv, 1 (int8) or 2 (uint8)]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "int64 slots");
-  const int64_t n = slots.numel(), capacity = k_codes.size(0) * k_codes.size(1);
+  const int64_t n = slots.numel();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* row = nullptr;
-  if (rows.has_value()) {
-    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->numel() == n,
-                "int64 rows");
-    row = rows->data_ptr<int64_t>();
-  } else {
-    TORCH_CHECK(n == k.size(0), "one slot per token");
-  }
-  for (int64_t i = 0; i < n; ++i) {  // checked before any write: a bad slot leaves the cache untouched
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "slot out of the cache");
-    TORCH_CHECK(row == nullptr || (row[i] >= 0 && row[i] < k.size(0)), "row out of k");
-  }
+  const int64_t* row = checked_store_rows(slots, rows, k.size(0), k_codes.size(0) * k_codes.size(1));
   const bool f32 = k.scalar_type() == at::kFloat;
   const auto store = [&](const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& params) {
     if (code == at::kChar) {
