@@ -11,6 +11,6 @@ workers read it without torch.
 #    its own loops; bf16 on an AVX2-only CPU runs oneDNN's fp32 GEMM over widened weights, not bf16 F.linear.
 # 4: on an AVX2-only CPU float32 / bfloat16 linears run the panel GEMM (csrc/panel_gemm.cpp), which sums in
 #    k order, not oneDNN's order.
-# 5: kv_cache_dtype "auto" is u8 for a bfloat16 model on CPU (kv_quant.resolve_kv_cache_dtype), stored by the
-#    native store_kv_quantized_.
+# 5: kv_cache_dtype "auto" is u8 for a bfloat16 model on CPU (EngineConfig.resolved_kv_cache_dtype), stored
+#    by the native store_kv_quantized_.
 ENGINE_NUMERICS_VERSION = 5

@@ -95,13 +95,10 @@ def test_native_step_over_a_quantized_cache_equals_the_python_layer_loop(
     for got, expected in zip(native_logits, python_logits, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(native_cache, python_cache)  # the same codes: one store kernel
-    params = [(a.quantized_kv.k_params, a.quantized_kv.v_params) for runner in (native, python)
-              for a in runner.attention_layers if a.quantized_kv is not None]
-    half = len(params) // 2
-    assert half == native.hf_config.num_hidden_layers
-    for (nk, nv), (pk, pv) in zip(params[:half], params[half:], strict=True):
-        assert nk is not None and nv is not None and pk is not None and pv is not None
-        assert torch.equal(nk, pk) and torch.equal(nv, pv)
+    for got_layer, want_layer in zip(native.attention_layers, python.attention_layers, strict=True):
+        got, want = got_layer.quantized_kv, want_layer.quantized_kv
+        assert got is not None and want is not None and got.k_params is not None and got.v_params is not None
+        assert torch.equal(got.k_params, want.k_params) and torch.equal(got.v_params, want.v_params)
 
 
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype", "native_attention"),

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.sampling_params import _DEFAULTS, SamplingParams
 from batchinfer.store.shards import PendingRequest
 from workers import model_identity
@@ -153,3 +154,24 @@ def test_fingerprint_follows_the_files_and_is_cached(tmp_path: Path, monkeypatch
         before = fingerprint_dir(model, cache_dir=cache)
         (model / name).write_text(content)
         assert fingerprint_dir(model, cache_dir=cache) != before, name
+
+
+def test_a_bf16_cpu_worker_keys_its_results_under_the_cache_auto_resolves_to(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto under bfloat16 on CPU is a u8 cache (EngineConfig.resolved_kv_cache_dtype): the key and the
+    provenance name it, the same key as an explicit u8; float32's auto keeps the keys stored before."""
+    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path / "cache"))  # the fingerprints' cache
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    (model / "config.json").write_text("{}")
+
+    def identity(**config: str) -> ModelIdentity:
+        return model_identity.model_identity(EngineConfig(model=str(model), device="cpu", **config),
+                                             served_model="m")
+
+    auto = identity(dtype="bfloat16")
+    assert auto.key_fields()["kv_cache_dtype"] == "u8"
+    assert auto.provenance(seed=None, source="miss", computed_in=1).get("kv_cache_dtype") == "u8"
+    assert auto.key_fields() == identity(dtype="bfloat16", kv_cache_dtype="u8").key_fields()
+    assert "kv_cache_dtype" not in identity(dtype="float32").key_fields()

@@ -62,8 +62,8 @@ def _gather(codes: torch.Tensor, params: torch.Tensor | None, block_ids: torch.T
 def _store_native(k: torch.Tensor, v: torch.Tensor, cache: QuantizedKV, plan: TorchAttentionPlan) -> bool:
     """Store k/v quantized with the extension's one-pass kernel (int8 / u8 codes); False where it cannot."""
     ops = cpu_attention.fused_ops_for(k)
-    if (ops is None or not hasattr(ops, "store_kv_quantized_") or cache.k_params is None
-            or cache.v_params is None or cache.k_codes.dtype not in cpu_attention.QUANTIZED_CODES
+    if (ops is None or cache.k_params is None or cache.v_params is None
+            or cache.k_codes.dtype not in cpu_attention.QUANTIZED_CODES
             or k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride(-2) != k.shape[-1]
             or v.stride(-2) != v.shape[-1]):
         return False

@@ -201,9 +201,9 @@ void store_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::T
               "caches [blocks, block_size, Hkv, D]");
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
               v_cache.scalar_type() == k.scalar_type(), "k, v and the caches of one dtype");
+  const int64_t* row = checked_store_rows(slots, rows, k.size(0), k_cache.size(0) * k_cache.size(1));
   const int64_t n = slots.numel(), width = k.size(1) * k.size(2);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* row = checked_store_rows(slots, rows, k.size(0), k_cache.size(0) * k_cache.size(1));
   const int64_t bytes = width * k.element_size();
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
@@ -294,9 +294,9 @@ void store_kv_quantized_(torch::Tensor k, torch::Tensor v, torch::Tensor k_codes
               v_params.sizes() == k_params.sizes() && k_params.size(0) == k_codes.size(0) &&
               k_params.size(1) == k_codes.size(1) && k_params.size(2) == k_codes.size(2) &&
               k_params.size(3) == P, "float32 params [blocks, block_size, Hkv, 1 (int8) or 2 (uint8)]");
+  const int64_t* row = checked_store_rows(slots, rows, k.size(0), k_codes.size(0) * k_codes.size(1));
   const int64_t n = slots.numel();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* row = checked_store_rows(slots, rows, k.size(0), k_codes.size(0) * k_codes.size(1));
   const bool f32 = k.scalar_type() == at::kFloat;
   const auto store = [&](const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& params) {
     if (code == at::kChar) {
