@@ -27,6 +27,7 @@ OTHER_ENV_VARS = frozenset({
     "BATCHINFER_CACHE_DIR",      # converted models (batchinfer.engine.model_files)
     "BATCHINFER_CPU_ATTENTION",  # "sdpa": no native CPU extension (attention, fused ops, panel GEMM)
     "BATCHINFER_CPU_LINEAR",     # auto / onednn / panel / aten: the CPU GEMM (engine.layers.weight_packing)
+    "BATCHINFER_CPU_INT8_GEMM",  # auto / fbgemm / onednn: int8's GEMM (engine.layers.weight_packing)
     "BATCHINFER_CPU_FUSED",      # "0": no fused CPU rotary / SiLU-and-mul (engine.layers.cpu_attention)
     "BATCHINFER_KERNEL_DIR",     # where native CPU kernels are built and found (engine.native.build)
     "BATCHINFER_CPU_NATIVE_STEP",  # "0": the Python layer loop, not the native step (engine.worker)

@@ -83,15 +83,16 @@ def require_device(device: str) -> None:
                                      "--device cpu, or a cuda:N below that count")
 
 
-# "auto": KV_CACHE_AUTO_CPU_BF16 under a bfloat16 model on CPU, else the model dtype; the others are
-# kv_quant.FORMATS (int8: per token and head scale; u8: scale and zero point)
+# "auto": KV_CACHE_AUTO_CPU_QUANTIZED on CPU under a bfloat16 model or int8 weights, else the model dtype;
+# the others are kv_quant.FORMATS (int8: per token and head scale; u8: scale and zero point)
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "int8", "u8")
-# What "auto" is for a bfloat16 model on CPU (issue 34): measured 0.99-1.25x the bf16 cache's tok/s on SmolLM2
-# (more the longer the contexts) with the native kernels, 1.78x the tokens in the same memory (head_dim 64),
-# at 0.18% of a fixed text's mean log-probability (bench/quality.py); OpenVINO's CPU default too. Resolved
-# from the config alone, so every rank and the result-cache key agree (without the native kernels the
-# torch path reads it, slower).
-KV_CACHE_AUTO_CPU_BF16 = "u8"
+# What "auto" is on CPU for a bfloat16 model or int8 weights (issue 34), OpenVINO's CPU default too. bf16
+# model: 0.99-1.25x the bf16 cache's tok/s on SmolLM2 (more the longer the contexts) with the native kernels,
+# 1.78x the tokens in the same memory (head_dim 64), at 0.18% of a fixed text's mean log-probability
+# (bench/quality.py). int8 weights (float32 activations): 1.12-1.19x the float32 cache's tok/s on an AMX CPU.
+# Resolved from the config alone, so every rank and the result-cache key agree (without the native kernels
+# the torch path reads it, slower).
+KV_CACHE_AUTO_CPU_QUANTIZED = "u8"
 
 
 @dataclass
@@ -223,7 +224,8 @@ class EngineConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_dtype(self) -> torch.dtype:
-        """The concrete torch dtype: "auto" is bfloat16 on CUDA and on a CPU with native bf16, else float32.
+        """The concrete torch dtype: "auto" is bfloat16 on CUDA and on a CPU with native bf16 (float32 under
+        int8 weights on CPU, resolved_dtype_name), else float32.
 
         On CPU bf16 pays only with native bf16 dot products (oneDNN's avx512_bf16 / AMX kernels: 1.5-2x the
         fp32 step on SmolLM2-135M, mean log-prob within 0.1% of fp32); emulated bf16 is slower than fp32.
@@ -233,19 +235,25 @@ class EngineConfig:
         return getattr(torch, self.resolved_dtype_name())
 
     def resolved_kv_cache_dtype(self) -> str:
-        """kv_cache_dtype with "auto" resolved: KV_CACHE_AUTO_CPU_BF16 for a bfloat16 model on CPU, else
-        "auto" (the model dtype: float32 stays token-exact with transformers, CUDA keeps its own cache)."""
+        """kv_cache_dtype with "auto" resolved: KV_CACHE_AUTO_CPU_QUANTIZED on CPU for a bfloat16 model or
+        int8 weights, else "auto" (the model dtype: float32 stays token-exact with transformers, CUDA keeps
+        its own cache)."""
         if (self.kv_cache_dtype == "auto" and self.attention_backend != "triton"
-                and self.resolved_dtype_name() == "bfloat16"
+                and (self.resolved_dtype_name() == "bfloat16" or self.quantization == "int8")
                 and not self.resolved_device().startswith("cuda")):
-            return KV_CACHE_AUTO_CPU_BF16
+            return KV_CACHE_AUTO_CPU_QUANTIZED
         return self.kv_cache_dtype
 
     def resolved_dtype_name(self) -> str:
-        """resolved_dtype's name ("bfloat16", ...): torch is imported only to resolve device "auto"."""
+        """resolved_dtype's name ("bfloat16", ...): torch is imported only to resolve device "auto".
+
+        int8 weights on CPU take float32 activations: their GEMMs read and write float32, so bf16 activations
+        only add a conversion each way per GEMM (1.06-1.12x slower on SmolLM2, AMX CPU).
+        """
         if self.dtype == "auto":
-            native = self.resolved_device().startswith("cuda") or cpu_has_native_bf16()
-            return "bfloat16" if native else "float32"
+            if self.resolved_device().startswith("cuda"):
+                return "bfloat16"
+            return "bfloat16" if cpu_has_native_bf16() and self.quantization != "int8" else "float32"
         return self.dtype
 
 

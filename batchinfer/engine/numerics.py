@@ -13,4 +13,6 @@ workers read it without torch.
 #    k order, not oneDNN's order.
 # 5: kv_cache_dtype "auto" is u8 for a bfloat16 model on CPU (EngineConfig.resolved_kv_cache_dtype), stored
 #    by the native store_kv_quantized_.
-ENGINE_NUMERICS_VERSION = 5
+# 6: float32 linears run the panel GEMM on AVX-512 CPUs too (14 x 32 tiles); int8 weights take float32
+#    activations and a u8 KV cache by default on CPU, through oneDNN's int8 GEMM on AMX CPUs.
+ENGINE_NUMERICS_VERSION = 6

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchinfer.engine import LLM, SamplingParams
-from batchinfer.engine.config import KV_CACHE_AUTO_CPU_BF16, EngineConfig
+from batchinfer.engine.config import KV_CACHE_AUTO_CPU_QUANTIZED, EngineConfig
 from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.kv_quant import FORMATS, dequantize, quantize
 from batchinfer.engine.worker.model_runner import ModelRunner
@@ -120,16 +120,27 @@ def test_native_store_refuses_a_slot_outside_the_cache_before_writing() -> None:
                                 None)
 
 
-def test_auto_is_u8_for_a_bf16_model_on_cpu() -> None:
-    """The measured default (KV_CACHE_AUTO_CPU_BF16), resolved from the config alone so that every rank and
-    the result-cache key agree; float32 keeps the model dtype, and an explicit value is never changed."""
+def test_auto_is_u8_for_a_bf16_model_or_int8_weights_on_cpu() -> None:
+    """The measured default (KV_CACHE_AUTO_CPU_QUANTIZED), resolved from the config alone so that every rank
+    and the result-cache key agree; float32 keeps the model dtype, and an explicit value is never changed."""
     def resolved(**kwargs: str) -> str:
         return EngineConfig(model="m", device="cpu", **kwargs).resolved_kv_cache_dtype()
 
-    assert resolved(dtype="bfloat16") == KV_CACHE_AUTO_CPU_BF16 == "u8"
+    assert resolved(dtype="bfloat16") == KV_CACHE_AUTO_CPU_QUANTIZED == "u8"
     assert resolved(dtype="float32") == "auto"
+    assert resolved(dtype="float32", quantization="int8") == "u8"
+    assert resolved(quantization="int8") == "u8"
     for explicit in ("bf16", "int8", "fp8_e4m3"):
         assert resolved(dtype="bfloat16", kv_cache_dtype=explicit) == explicit
+        assert resolved(quantization="int8", kv_cache_dtype=explicit) == explicit
+
+
+def test_int8_weights_take_float32_activations_on_cpu() -> None:
+    """dtype "auto" under int8 weights is float32 on every CPU (the int8 GEMMs read and write float32); an
+    explicit dtype is kept."""
+    assert EngineConfig(model="m", device="cpu", quantization="int8").resolved_dtype_name() == "float32"
+    assert EngineConfig(model="m", device="cpu", quantization="int8",
+                        dtype="bfloat16").resolved_dtype_name() == "bfloat16"
 
 
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype", "want"),

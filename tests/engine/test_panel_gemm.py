@@ -1,7 +1,8 @@
 """The panel GEMM (csrc/panel_gemm.cpp, weight_packing.PanelLinear; AVX2 tiles, or AVX-512 ones where the
 build has AVX-512F) against float64 products: every row-tile remainder, padded panels, odd K, K a multiple
-of 256, partial panels of 1 to 15 columns, bias, bfloat16 weights and activations, the multi-pass rows of a
-prefill; and where BATCHINFER_CPU_LINEAR picks it."""
+of 256, partial panels of 1 to 15 columns, an odd panel count (AVX-512 tiles read panels in pairs), bias,
+bfloat16 weights and activations, the multi-pass rows of a prefill; and where BATCHINFER_CPU_LINEAR picks
+it."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.
 
 
 @needs_panel
-@pytest.mark.parametrize("m", [*range(1, 30), 36, 45, 55, 96, 127, 300])
+@pytest.mark.parametrize("m", [*range(1, 30), 36, 45, 55, 96, 127, 300, 520])
 @pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 7), (200, 1), (96, 576), (24, 512), (17, 33), (31, 16),
                                     (45, 70)])
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -43,7 +44,7 @@ def test_panel_linear_is_the_float32_product(m: int, n: int, k: int, with_bias: 
 
 
 @needs_panel
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 12, 13, 14, 15, 29, 96, 130])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 12, 13, 14, 15, 29, 96, 130, 520])
 def test_bf16_panels_are_the_bf16_gemm_up_to_summation_order(m: int) -> None:
     """bf16 weights stay bf16 in memory and are widened exactly; bf16 x bf16 products are exact in float32,
     so the output is the float64 product rounded once to bf16, give or take float32 summation."""
@@ -69,16 +70,19 @@ def test_panel_linear_keeps_leading_dimensions_and_refuses_a_wrong_width() -> No
 
 
 def test_cpu_linear_mode_resolves_auto_by_cpu_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto: the panel GEMM for float32 / bf16 weights on an AVX2-only CPU whose build has it; oneDNN on
-    AVX-512, for float16 (no panels) and without the build."""
+    """auto: the panel GEMM for float32 weights wherever the build has it, and for bf16 on an AVX2-only
+    CPU; oneDNN for bf16 on AVX-512, for float16 (no panels) and without the build."""
     monkeypatch.delenv(weight_packing.CPU_LINEAR_ENV, raising=False)
     avx2, avx512 = frozenset({"avx2", "fma"}), frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})
-    for flags, built, mode in [(avx2, True, "panel"), (avx512, True, "onednn"), (avx2, False, "onednn")]:
+    for flags, built, fp32_mode, bf16_mode in [(avx2, True, "panel", "panel"),
+                                               (avx512, True, "panel", "onednn"),
+                                               (avx2, False, "onednn", "onednn"),
+                                               (avx512, False, "onednn", "onednn")]:
         extension = object() if built else None
         monkeypatch.setattr(weight_packing, "panel_extension", lambda extension=extension: extension)
         monkeypatch.setattr(weight_packing, "cpu_flags", lambda flags=flags: flags)
-        assert weight_packing.cpu_linear_mode(torch.float32) == mode
-        assert weight_packing.cpu_linear_mode(torch.bfloat16) == mode
+        assert weight_packing.cpu_linear_mode(torch.float32) == fp32_mode
+        assert weight_packing.cpu_linear_mode(torch.bfloat16) == bf16_mode
         assert weight_packing.cpu_linear_mode(torch.float16) == "onednn"
     monkeypatch.setenv(weight_packing.CPU_LINEAR_ENV, "onednn")
     assert weight_packing.cpu_linear_mode() == "onednn"

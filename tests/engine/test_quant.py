@@ -1,5 +1,5 @@
-"""quantization="int8" (int8 weights, fbgemm dynamic int8 GEMMs on CPU): runs, tracks fp32, clear errors;
-its activation smoothing keeps the float function and brings int8 closer to it."""
+"""quantization="int8" (int8 weights, dynamic int8 GEMMs on CPU: fbgemm, oneDNN's on AMX): runs, tracks fp32,
+clear errors; its activation smoothing keeps the float function and brings int8 closer to it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.layers import int8_smoothing
 from batchinfer.engine.layers.context import AttentionContext, set_context
 from batchinfer.engine.layers.quantization import quantization_format
-from batchinfer.engine.layers.weight_packing import int8_linear
+from batchinfer.engine.layers.weight_packing import INT8_GEMM_ENV, int8_gemm_engine, int8_linear
+from batchinfer.engine.native.cpu_features import cpu_flags
 from tests.engine.test_models import FakeSeq, ScatteredBlocks, make_runner, random_tokens, run_step
 
 needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
@@ -31,6 +32,41 @@ def test_int8_linear_is_close_to_the_float_linear() -> None:
     assert out.dtype == torch.float32 and out.shape == expected.shape
     assert float((out - expected).abs().max()) < 0.02 * float(expected.abs().max())
     assert int8_linear(weight, None)(x.bfloat16()).dtype == torch.bfloat16  # output in the input's dtype
+
+
+@pytest.mark.parametrize("engine", ["fbgemm", "onednn"])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_both_int8_engines_quantize_the_same_way(monkeypatch: pytest.MonkeyPatch, engine: str,
+                                                 per_token: bool) -> None:
+    """A weight packed for oneDNN (the AMX default) gives fbgemm's result up to summation order: the same
+    per-channel weights, the same per-tensor activation quantization; packing leaves torch's engine as it
+    was."""
+    if engine not in torch.backends.quantized.supported_engines:
+        pytest.skip(f"this torch build has no {engine}")
+    gen = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(96, 64, generator=gen) * 0.1, torch.randn(96, generator=gen)
+    x = torch.randn(11, 64, generator=gen)
+    x[:, 5] *= 30  # an outlier channel sets the per-tensor activation step
+    monkeypatch.setenv(INT8_GEMM_ENV, "fbgemm")
+    reference = int8_linear(weight, bias, per_token=per_token)(x)
+    engine_before = torch.backends.quantized.engine
+    monkeypatch.setenv(INT8_GEMM_ENV, engine)
+    out = int8_linear(weight, bias, per_token=per_token)(x)
+    assert torch.backends.quantized.engine == engine_before
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-4 * float(reference.abs().max()))
+
+
+def test_the_int8_engine_is_onednn_only_on_amx_and_a_bad_value_names_the_choices(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(INT8_GEMM_ENV, raising=False)
+    amx = "amx_int8" in cpu_flags() and "onednn" in torch.backends.quantized.supported_engines
+    assert int8_gemm_engine() == ("onednn" if amx else "fbgemm")
+    monkeypatch.setenv(INT8_GEMM_ENV, "fbgemm")
+    assert int8_gemm_engine() == "fbgemm"
+    monkeypatch.setenv(INT8_GEMM_ENV, "qnnpack")
+    with pytest.raises(ValueError, match=r"BATCHINFER_CPU_INT8_GEMM must be one of auto, fbgemm, onednn; "
+                                         r"got 'qnnpack'"):
+        int8_gemm_engine()
 
 
 @needs_fbgemm

@@ -9,7 +9,7 @@ Each format says, in one place, what the engine's modules used to ask by compari
     it does not pack itself) and whether this torch / build can run it (`check_runnable`).
 
   none  dense weights: oneDNN's prepacked GEMM on CPU (fp32, bf16 with AVX-512), else F.linear
-  int8  int8 weights per output channel, fbgemm's dynamic GEMM, activation smoothing folded in at load
+  int8  int8 weights per output channel, a dynamic int8 GEMM (fbgemm; oneDNN's on AMX), smoothing folded in
   gguf  a .gguf file's own Q4_0 / Q4_1 / Q8_0 blocks, our C++ kernels (csrc/gguf_linear.cpp)
 
 Import-light (engine/config.py, the settings and the CLI read QUANTIZATIONS): torch and the layers are
@@ -75,17 +75,21 @@ class Dense(QuantizationFormat):
 
 
 class Int8(QuantizationFormat):
-    """int8 weights per output channel through fbgemm's dynamic GEMM (layers/weight_packing.py)."""
+    """int8 weights per output channel through a dynamic int8 GEMM (layers/weight_packing.py)."""
 
     name = "int8"
-    kernel = "fbgemm dynamic int8 GEMM (per-channel weights), activation smoothing folded in at load"
+    kernel = ("dynamic int8 GEMM (per-channel weights; fbgemm, oneDNN's on AMX CPUs), activation smoothing "
+              "folded in at load")
 
     def check_runnable(self) -> None:
-        """A ValueError when this torch build has no fbgemm."""
+        """A ValueError when this torch build has no quantized engine for int8's GEMM."""
         import torch
 
-        if "fbgemm" not in torch.backends.quantized.supported_engines:
-            raise ValueError(f"quantization={self.name!r} needs torch's fbgemm engine, absent from this "
+        from batchinfer.engine.layers.weight_packing import int8_gemm_engine
+
+        engine = int8_gemm_engine()  # raises naming the fix for an engine this build lacks
+        if engine not in torch.backends.quantized.supported_engines:
+            raise ValueError(f"quantization={self.name!r} needs torch's {engine} engine, absent from this "
                              "build")
 
     def per_token_layers(self, model: nn.Module) -> set[nn.Module]:
@@ -95,7 +99,7 @@ class Int8(QuantizationFormat):
         return per_token_input_layers(model)
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, per_token: bool) -> LinearFn | None:
-        """fbgemm's int8 kernel of one linear."""
+        """The int8 kernel of one linear (int8_gemm_engine's)."""
         from batchinfer.engine.layers.weight_packing import int8_linear
 
         return int8_linear(weight, bias, per_token=per_token)

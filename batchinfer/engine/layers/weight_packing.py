@@ -3,23 +3,23 @@
 Why: on this project's CPUs (AMD EPYC) torch's fp32 F.linear goes to MKL, which takes a slow generic path on
 non-Intel CPUs; oneDNN's JIT kernels run the same fp32 GEMMs 2.5-4.5x faster (the LM head of SmolLM2-135M at 8
 rows: 12 ms -> 2.6 ms), and with a weight prepacked into oneDNN's blocked layout bf16 runs another 1.2-1.8x
-faster than bf16 F.linear; our panel GEMM (below) beats oneDNN at decode sizes (on AVX2-only CPUs at every
-size we run, so it is their default). int8 (quantization="int8") stores each weight per output channel in int8
-and runs fbgemm's dynamic-quantized GEMM (activations quantized per call and per tensor): 1.5-2x bf16's speed
-at the batch sizes of a decode step. Its error is mostly the per-tensor activation scale (weight-only int8
-alone keeps the KL to fp32 at ~0.004), so two things keep it in check: int8_smoothing folds per-channel
-activation smoothing into the weights once at load (channel outliers of the norm outputs and of v), and
-down_proj's input, whose outliers sit on a few tokens rather than in a few channels, is quantized per token
-(each row scaled to max 1 around the per-tensor GEMM). On SmolLM2-135M without VNNI that takes
+faster than bf16 F.linear; our panel GEMM (below) beats oneDNN's fp32 GEMM at decode sizes, so it is the
+float32 default. int8 (quantization="int8") stores each weight per output channel in int8 and runs fbgemm's
+dynamic-quantized GEMM (activations quantized per call and per tensor): 1.5-2x bf16's speed at the batch
+sizes of a decode step; on a CPU with AMX tiles oneDNN's (int8_gemm_engine). Its error is mostly the
+per-tensor activation scale (weight-only int8 alone keeps the KL to fp32 at ~0.004), so two things keep it
+in check: int8_smoothing folds per-channel activation smoothing into the weights once at load (channel
+outliers of the norm outputs and of v), and down_proj's input, whose outliers sit on a few tokens rather
+than in a few channels, is quantized per token (each row scaled to max 1 around the per-tensor GEMM). On SmolLM2-135M without VNNI that takes
 bench/quality.py's fixed-text mean log-prob from 32% off fp32 to 2.3%. The LM head is int8 too (about 1% of
 that delta).
 
 On an AVX2-only CPU (no AVX-512: oneDNN has no brgemm there) float32 and bfloat16 weights go to our own
-panel GEMM instead (PanelLinear, csrc/panel_gemm.cpp): oneDNN's AVX2 GEMM paid a decode step's weight
+panel GEMM (PanelLinear, csrc/panel_gemm.cpp): oneDNN's AVX2 GEMM paid a decode step's weight
 traffic and its arithmetic one after the other, the panel GEMM streams each weight once per step beside
 the arithmetic (a step's 121 GEMMs of SmolLM2 on the AVX2 bench machine: 24 vs 36 ms at 1 row, 70 vs 95 ms
-at 32, 176 vs 262 ms at 96), and a bf16 weight stays bf16 in memory, widened in registers. Its AVX-512
-tiles are opt-in (BATCHINFER_CPU_LINEAR=panel; panel_gemm_preferred says why).
+at 32, 176 vs 262 ms at 96), and a bf16 weight stays bf16 in memory, widened in registers. On AVX-512 it
+runs float32 (14 x 32 tiles; panel_gemm_preferred says why); bfloat16 there stays on oneDNN's bf16 GEMM.
 
 pack_linears(model, kernels) sets each LinearBase / ParallelLMHead's `packed` callable (x -> y with its
 bias), the kernel the weight format chooses (layers/quantization.py: dense, int8, gguf); the modules fall
@@ -31,9 +31,10 @@ The dense weight of a packed linear is released (the LM head's stays: it may be 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -43,9 +44,14 @@ from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.cpu_attention import fused_ops_for
 from batchinfer.engine.native.cpu_features import cpu_flags, cpu_has_vnni
 
-# "auto" (default: "panel" on AVX2-only CPUs, else "onednn"), "onednn", "panel" or "aten" (plain F.linear)
+# "auto" (default: "panel" for float32, and for bfloat16 on AVX2-only CPUs; else "onednn"), "onednn", "panel"
+# or "aten" (plain F.linear)
 CPU_LINEAR_ENV = "BATCHINFER_CPU_LINEAR"
 CPU_LINEAR_MODES = ("auto", "onednn", "panel", "aten")
+# int8's GEMM, torch's quantized engine the weights are packed for: "auto" (default: "onednn" on a CPU with
+# AMX int8 tiles, else "fbgemm"), "fbgemm" or "onednn"
+INT8_GEMM_ENV = "BATCHINFER_CPU_INT8_GEMM"
+INT8_GEMM_ENGINES = ("auto", "fbgemm", "onednn")
 PANEL_DTYPES = (torch.float32, torch.bfloat16)  # the weight dtypes pack_panels keeps
 
 TINY_ROW_MAX = 1e-12  # an all-zero row divides by this instead of 0 (it stays all zero)
@@ -106,18 +112,20 @@ def panel_extension() -> Any:
 
 
 def panel_gemm_preferred(dtype: torch.dtype) -> bool:
-    """True where "auto" picks the panel GEMM for weights of this dtype: float32 / bfloat16 on an AVX2 + FMA
-    CPU without AVX-512 whose build has it.
+    """True where "auto" picks the panel GEMM for weights of this dtype (its build has it: AVX2 + FMA):
+    float32 on any such CPU, bfloat16 on one without AVX-512.
 
-    On AVX-512 its 28-row tile beats oneDNN from 1 to 96 rows at fp32 (1.06-1.57x, bench/panel_gemm.py)
-    but not at a prefill's or an embedding batch's size (0.87-0.93x at 500 rows): the chat bench ran 1.02-
-    1.04x faster on it, bench/embeddings.py 0.91x (107.5 s against 97.7 s), so oneDNN stays the default
-    there (BATCHINFER_CPU_LINEAR=panel opts in); bf16 there has oneDNN's bf16 GEMM, faster from 16 rows up.
+    On AVX-512 its 14-row x 32-column tile beat oneDNN's fp32 GEMM over a SmolLM2 step from 1 to 256 rows
+    (1.06-1.43x, bench/panel_gemm.py, AMX Xeon) and came within 0.95x at 512 (prefill, embedding batches):
+    the chat bench ran 1.18-1.24x faster, bench/embeddings.py level (54.9 s against 54.2 s). bf16 there
+    stays on oneDNN's bf16 GEMM (avx512_bf16 / AMX dot products; the panel GEMM widens to float32).
     """
     if dtype not in PANEL_DTYPES or panel_extension() is None:
         return False
     flags = cpu_flags()
-    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+    if not {"avx2", "fma"} <= flags:
+        return False
+    return dtype == torch.float32 or "avx512f" not in flags
 
 
 def panel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:
@@ -155,14 +163,16 @@ def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn |
 
 
 class Int8Linear:
-    """x -> x @ dequant(W_int8).T + bias: per-output-channel symmetric int8 weights, fbgemm dynamic GEMM.
+    """x -> x @ dequant(W_int8).T + bias: per-output-channel symmetric int8 weights, a dynamic int8 GEMM.
 
     Activations are quantized per call (per tensor, asymmetric uint8); full range with VNNI, 7 bits
     without it (AVX2 sums u8 x s8 pairs in saturating int16: full-range activations overflow there, a
     10% error). per_token: each row of x is divided by its max |x| before the GEMM and its output row
     multiplied back, so a row with outliers no longer sets the quantization step of the others (an
     elementwise pass over x and y; the bias is added after). The output comes back in x's dtype.
-    A class so that worker/native_step.py can hand its packed weight to the C++ decoder stack.
+    The weight is packed for int8_gemm_engine()'s kernel (fbgemm, or oneDNN's AMX tiles); both quantize the
+    activations the same way, so they differ only in summation order. A class so that
+    worker/native_step.py can hand its packed weight to the C++ decoder stack.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, per_token: bool = False) -> None:
@@ -175,8 +185,11 @@ class Int8Linear:
         with warnings.catch_warnings():  # quantize_per_channel is deprecated upstream; fbgemm still needs it
             warnings.simplefilter("ignore")
             qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
-            # fbgemm's LinearPackedParamsBase (a torch.ScriptObject); per tensor it holds the bias too
-            self.packed = torch.ops.quantized.linear_prepack(qweight, None if per_token else self.float_bias)
+            # the engine's LinearPackedParamsBase (a torch.ScriptObject); per tensor it holds the bias too.
+            # linear_dynamic runs whichever engine packed it, whatever the global engine is at call time.
+            with quantized_engine(int8_gemm_engine()):
+                self.packed = torch.ops.quantized.linear_prepack(qweight,
+                                                                 None if per_token else self.float_bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).float()
@@ -196,8 +209,38 @@ class Int8Linear:
 
 
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, per_token: bool = False) -> LinearFn:
-    """x -> x @ dequant(W_int8).T + bias through fbgemm's dynamic int8 GEMM (Int8Linear)."""
+    """x -> x @ dequant(W_int8).T + bias through a dynamic int8 GEMM (Int8Linear)."""
     return Int8Linear(weight, bias, per_token)
+
+
+def int8_gemm_engine() -> str:
+    """BATCHINFER_CPU_INT8_GEMM, validated and resolved: the quantized engine int8 weights are packed for.
+
+    "auto" is oneDNN on a CPU with AMX int8 tiles: its AMX GEMM ran a SmolLM2 step's int8 GEMMs 1.5-2.6x
+    faster than fbgemm's AVX-512 VNNI from 32 rows up (fbgemm is faster at 1-8 rows; 5.5 vs 3.2 ms at 1).
+    Elsewhere fbgemm, which oneDNN does not beat without AMX.
+    """
+    engine = os.environ.get(INT8_GEMM_ENV, "auto")
+    if engine not in INT8_GEMM_ENGINES:
+        raise ValueError(f"{INT8_GEMM_ENV} must be one of {', '.join(INT8_GEMM_ENGINES)}; got {engine!r}")
+    supported = torch.backends.quantized.supported_engines
+    if engine == "auto":
+        return "onednn" if "amx_int8" in cpu_flags() and "onednn" in supported else "fbgemm"
+    if engine not in supported:
+        raise ValueError(f"{INT8_GEMM_ENV}={engine} needs torch's {engine} quantized engine, absent from "
+                         f"this build (it has {', '.join(supported)}); unset it to let auto choose")
+    return engine
+
+
+@contextlib.contextmanager
+def quantized_engine(engine: str) -> Iterator[None]:
+    """torch's global quantized engine set to `engine` in the block (prepacking reads it), then restored."""
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = previous
 
 
 def onednn_supports(dtype: torch.dtype) -> bool:

@@ -7,7 +7,7 @@
 // arithmetic one after the other: on the AVX2 bench machine a step's 121 GEMMs of SmolLM2 took ~45 ms of
 // weight streaming plus ~1.75 ms per row; on the AVX-512 one oneDNN's 1-row step streamed at 20 GB/s.
 // Here each thread streams its own contiguous run of panels once and multiplies every row against a
-// panel while it sits in L1/L2: in a 6 x 16 register tile (AVX2), or 28 x 16 (AVX-512, below).
+// panel while it sits in L1/L2: in a 6 x 16 register tile (AVX2), or 14 x 32 (AVX-512, below).
 //
 // Layout (pack_panels): [P, K, 16] with P = ceil(N / 16); element (p, k, j) is W[16 p + j, k], the last
 // panel zero-padded. float32 or bfloat16: a bf16 panel is widened to float32 (exactly: a bf16 is the
@@ -140,14 +140,19 @@ void run_panels(const float* x, int64_t K, const W* panels, const float* bias, f
 
 #if defined(__AVX512F__)
 
-// AVX-512: a panel's 16 columns are one zmm, so a tile is R rows x 1 register (R up to kWideTileRows) and a
-// k step is one weight load (widened in registers when bf16) plus R FMAs whose x operand is a broadcast
-// from memory. Up to 28 rows read a panel once (its stream, prefetched, overlaps their arithmetic); more
-// rows read it once per tile, from L2 after the first. x is first copied tile by tile k-major ([K, R]
-// per tile): the R values of a k step are then adjacent, one pointer plus constant offsets (28 row
-// pointers do not fit the 16 general registers, and rows at a stride of a multiple of 1 KiB evict one
-// another in L1).
-constexpr int64_t kWideTileRows = 28;  // 28 accumulators + the weight (of 32 registers)
+// AVX-512: a panel's 16 columns are one zmm, so a tile is R rows x 2 panels (R up to kWideTileRows, two
+// registers per row) and a k step is two weight loads (widened in registers when bf16) plus 2R FMAs whose
+// x operand is a broadcast from memory: R + 2 loads per 2R FMAs, so the FMAs, not the loads, set the pace
+// (a one-panel tile needs a load per FMA: on an AMX Xeon its 28-row tile ran 0.79-0.88x oneDNN from 32
+// rows up). Up to 14 rows read a panel pair once (its stream, prefetched, overlaps their arithmetic);
+// more rows read it once per tile, from L2 after the first. A thread's odd last panel runs the same
+// tiles one register wide. x is first copied tile by tile k-major ([K, R] per tile): the R values of a k
+// step are then adjacent, one pointer plus constant offsets (14 row pointers would take most of the 16
+// general registers, and rows at a stride of a multiple of 1 KiB evict one another in L1).
+constexpr int64_t kWideTileRows = 14;  // 28 accumulators + 2 weights (of 32 registers)
+// Rows per pass over the panels (36 tiles): every pass streams all the weights again, and fewer passes
+// paid more than x's rows leaving L2 (AMX Xeon, L2 2 MiB per core: 256 rows 0.92x -> 0.98x oneDNN's time).
+constexpr int64_t kWideRowsPerPass = 36 * kWideTileRows;
 // k steps ahead that a tile prefetches its panel (into the next panel at the end: a thread's run is
 // contiguous): 2 KiB of float32, 1 KiB of bf16 (whose 32-byte rows prefetch each line twice, for free).
 constexpr int64_t kWidePrefetchSteps = 32;
@@ -156,11 +161,11 @@ struct WideTile {
   int64_t row0, rows;  // x's rows [row0, row0 + rows); packed at row0 * K, element (k, i) at k * rows + i
 };
 
-// M rows as passes of kRowsPerPass, each cut into near-equal tiles of at most kWideTileRows.
+// M rows as passes of kWideRowsPerPass, each cut into near-equal tiles of at most kWideTileRows.
 std::vector<WideTile> wide_tiles(int64_t M) {
   std::vector<WideTile> out;
-  for (int64_t row0 = 0; row0 < M; row0 += kRowsPerPass) {
-    const int64_t rows = std::min(kRowsPerPass, M - row0), count = (rows + kWideTileRows - 1) / kWideTileRows;
+  for (int64_t row0 = 0; row0 < M; row0 += kWideRowsPerPass) {
+    const int64_t rows = std::min(kWideRowsPerPass, M - row0), count = (rows + kWideTileRows - 1) / kWideTileRows;
     for (int64_t t = 0, r = row0; t < count; ++t) {
       const int64_t tile_rows = (rows - (r - row0) + (count - t) - 1) / (count - t);
       out.push_back({r, tile_rows});
@@ -170,7 +175,9 @@ std::vector<WideTile> wide_tiles(int64_t M) {
   return out;
 }
 
-// x [M, K] -> out [M, K] with each tile's rows k-major at the tile's offset (row0 * K).
+// x [M, K] -> out [M, K] with each tile's rows k-major at the tile's offset (row0 * K): per k, one gather of
+// the tile's rows (each row's cache line serves 16 k in a row); a scalar copy cost a 96-row step's GEMMs
+// ~8% (0.12 ms per 96 x 1536 x).
 void pack_wide_tiles(const float* __restrict x, int64_t K, const std::vector<WideTile>& tiles,
                      float* __restrict out) {
   at::parallel_for(0, int64_t(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
@@ -178,9 +185,14 @@ void pack_wide_tiles(const float* __restrict x, int64_t K, const std::vector<Wid
       const auto [row0, rows] = tiles[t];
       const float* src = x + row0 * K;
       float* dst = out + row0 * K;
-      for (int64_t k0 = 0; k0 < K; k0 += kPanel)  // a 16-wide column block of the rows stays in L1
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t k = k0; k < std::min(K, k0 + kPanel); ++k) dst[k * rows + i] = src[i * K + k];
+      const __mmask16 mask = __mmask16((1u << rows) - 1);
+      const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                   14, 15),
+                                                 _mm512_set1_epi32(int32_t(K)));
+      for (int64_t k = 0; k < K; ++k) {
+        const __m512 column = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, offsets, src + k, 4);
+        _mm512_mask_storeu_ps(dst + k * rows, mask, column);
+      }
     }
   });
 }
@@ -192,66 +204,89 @@ inline __m512 load_wide_weights(const bf16* w) {  // 16 bf16 -> 16 float32, exac
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+inline __mmask16 column_mask(int64_t columns) {
+  return columns == kPanel ? __mmask16(0xFFFF) : __mmask16((1u << columns) - 1);
+}
+
 inline void store_wide_row(__m512 acc, const float* bias, float* y, int64_t columns) {
-  const __mmask16 mask = columns == kPanel ? __mmask16(0xFFFF) : __mmask16((1u << columns) - 1);
+  const __mmask16 mask = column_mask(columns);
   if (bias != nullptr) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, bias));
   _mm512_mask_storeu_ps(y, mask, acc);
 }
 
-#define WIDE_ROW(i) \
-  if constexpr (R > i) acc##i = _mm512_fmadd_ps(_mm512_set1_ps(xk[i]), w, acc##i);
-#define WIDE_STORE(i) \
-  if constexpr (R > i) store_wide_row(acc##i, bias, y + i * ldy, columns);
+#define WIDE_ROW(i)                                                           \
+  if constexpr (R > i) {                                                      \
+    const __m512 a = _mm512_set1_ps(xk[i]);                                   \
+    acc##i = _mm512_fmadd_ps(a, w, acc##i);                                   \
+    if constexpr (kPanels == 2) hi##i = _mm512_fmadd_ps(a, w_hi, hi##i);      \
+  }
+#define WIDE_STORE(i)                                                                 \
+  if constexpr (R > i) {                                                              \
+    store_wide_row(acc##i, bias, y + i * ldy, kPanels == 2 ? kPanel : columns);       \
+    if constexpr (kPanels == 2)                                                       \
+      store_wide_row(hi##i, bias == nullptr ? nullptr : bias + kPanel, y + i * ldy + kPanel, columns); \
+  }
 
-// One tile's x, k-major [K, R], times one panel [K, 16] -> y [R, columns] (row stride ldy).
-template <int R, typename W>
-void wide_tile(const float* __restrict x, const W* __restrict panel, int64_t K, const float* bias,
-               float* __restrict y, int64_t ldy, int64_t columns) {
+// One tile's x, k-major [K, R], times kPanels adjacent panels [K, 16] (the second one panel_stride
+// elements after the first) -> y [R, 16 (kPanels - 1) + columns] (row stride ldy; `columns` is the last
+// panel's). Named accumulators, not an array: GCC kept an array's registers but stored them to the stack
+// on every k (the AVX2 tile above).
+template <int R, int kPanels, typename W>
+void wide_tile(const float* __restrict x, const W* __restrict panel, int64_t panel_stride, int64_t K,
+               const float* bias, float* __restrict y, int64_t ldy, int64_t columns) {
+  const W* __restrict panel_hi = panel + panel_stride;  // the second panel (read only when kPanels == 2)
   __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0,
          acc6 = acc0, acc7 = acc0, acc8 = acc0, acc9 = acc0, acc10 = acc0, acc11 = acc0, acc12 = acc0,
-         acc13 = acc0, acc14 = acc0, acc15 = acc0, acc16 = acc0, acc17 = acc0, acc18 = acc0, acc19 = acc0,
-         acc20 = acc0, acc21 = acc0, acc22 = acc0, acc23 = acc0, acc24 = acc0, acc25 = acc0, acc26 = acc0,
-         acc27 = acc0;
+         acc13 = acc0;
+  __m512 hi0 = acc0, hi1 = acc0, hi2 = acc0, hi3 = acc0, hi4 = acc0, hi5 = acc0, hi6 = acc0, hi7 = acc0,
+         hi8 = acc0, hi9 = acc0, hi10 = acc0, hi11 = acc0, hi12 = acc0, hi13 = acc0;
   for (int64_t k = 0; k < K; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kWidePrefetchSteps) * kPanel), _MM_HINT_T0);
     const __m512 w = load_wide_weights(panel + k * kPanel);
+    __m512 w_hi = w;
+    if constexpr (kPanels == 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel_hi + (k + kWidePrefetchSteps) * kPanel), _MM_HINT_T0);
+      w_hi = load_wide_weights(panel_hi + k * kPanel);
+    }
     const float* xk = x + k * R;
     WIDE_ROW(0) WIDE_ROW(1) WIDE_ROW(2) WIDE_ROW(3) WIDE_ROW(4) WIDE_ROW(5) WIDE_ROW(6) WIDE_ROW(7)
-    WIDE_ROW(8) WIDE_ROW(9) WIDE_ROW(10) WIDE_ROW(11) WIDE_ROW(12) WIDE_ROW(13) WIDE_ROW(14) WIDE_ROW(15)
-    WIDE_ROW(16) WIDE_ROW(17) WIDE_ROW(18) WIDE_ROW(19) WIDE_ROW(20) WIDE_ROW(21) WIDE_ROW(22) WIDE_ROW(23)
-    WIDE_ROW(24) WIDE_ROW(25) WIDE_ROW(26) WIDE_ROW(27)
+    WIDE_ROW(8) WIDE_ROW(9) WIDE_ROW(10) WIDE_ROW(11) WIDE_ROW(12) WIDE_ROW(13)
   }
   WIDE_STORE(0) WIDE_STORE(1) WIDE_STORE(2) WIDE_STORE(3) WIDE_STORE(4) WIDE_STORE(5) WIDE_STORE(6)
   WIDE_STORE(7) WIDE_STORE(8) WIDE_STORE(9) WIDE_STORE(10) WIDE_STORE(11) WIDE_STORE(12) WIDE_STORE(13)
-  WIDE_STORE(14) WIDE_STORE(15) WIDE_STORE(16) WIDE_STORE(17) WIDE_STORE(18) WIDE_STORE(19) WIDE_STORE(20)
-  WIDE_STORE(21) WIDE_STORE(22) WIDE_STORE(23) WIDE_STORE(24) WIDE_STORE(25) WIDE_STORE(26) WIDE_STORE(27)
 }
 
 #undef WIDE_ROW
 #undef WIDE_STORE
 
 // A tile of `rows` (1..kWideTileRows) rows: the row count picks the compile-time tile.
-template <int R = kWideTileRows, typename W>
-void wide_rows(int64_t rows, const float* x, const W* panel, int64_t K, const float* bias, float* y,
-               int64_t ldy, int64_t columns) {
+template <int kPanels, int R = kWideTileRows, typename W>
+void wide_rows(int64_t rows, const float* x, const W* panel, int64_t panel_stride, int64_t K, const float* bias,
+               float* y, int64_t ldy, int64_t columns) {
   if constexpr (R > 1) {
-    if (rows < R) return wide_rows<R - 1>(rows, x, panel, K, bias, y, ldy, columns);
+    if (rows < R) return wide_rows<kPanels, R - 1>(rows, x, panel, panel_stride, K, bias, y, ldy, columns);
   }
-  wide_tile<R>(x, panel, K, bias, y, ldy, columns);
+  wide_tile<R, kPanels>(x, panel, panel_stride, K, bias, y, ldy, columns);
 }
 
-// The tiles of one pass (packed x) against panels [p0, p1).
+// The tiles of one pass (packed x) against panels [p0, p1): two at a time, the odd last one alone.
 template <typename W>
 void run_wide_panels(const float* packed, int64_t K, const W* panels, const float* bias, float* y, int64_t N,
                      const WideTile* tiles, int64_t count, int64_t p0, int64_t p1) {
-  for (int64_t p = p0; p < p1; ++p) {
+  for (int64_t p = p0; p < p1;) {
     const W* panel = panels + p * K * kPanel;
-    const int64_t columns = std::min(kPanel, N - p * kPanel);
+    const bool pair = p + 1 < p1;
+    const int64_t columns = std::min(kPanel, N - (p + (pair ? 1 : 0)) * kPanel);  // the last panel's
     const float* panel_bias = bias != nullptr ? bias + p * kPanel : nullptr;
     for (int64_t t = 0; t < count; ++t) {
       const auto [row0, rows] = tiles[t];
-      wide_rows(rows, packed + row0 * K, panel, K, panel_bias, y + row0 * N + p * kPanel, N, columns);
+      float* yt = y + row0 * N + p * kPanel;
+      if (pair)
+        wide_rows<2>(rows, packed + row0 * K, panel, K * kPanel, K, panel_bias, yt, N, columns);
+      else
+        wide_rows<1>(rows, packed + row0 * K, panel, K * kPanel, K, panel_bias, yt, N, columns);
     }
+    p += pair ? 2 : 1;
   }
 }
 
@@ -314,13 +349,19 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   float* yp = y.data_ptr<float>();
   const bool widen = panels.scalar_type() == at::kBFloat16;
   // Each thread takes one contiguous run of panels (they stream from memory once per pass) and, pass by
-  // pass, every row against it.
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+  // pass, every row against it. AVX-512 tiles read panels in pairs: a run starts at an even panel.
 #if defined(__AVX512F__)
-    // pass by pass: a pass starts at a multiple of kRowsPerPass
+  constexpr int64_t kPanelGrain = 2;
+#else
+  constexpr int64_t kPanelGrain = 1;
+#endif
+  at::parallel_for(0, (P + kPanelGrain - 1) / kPanelGrain, 1, [&](int64_t g0, int64_t g1) {
+    const int64_t p0 = g0 * kPanelGrain, p1 = std::min(P, g1 * kPanelGrain);
+#if defined(__AVX512F__)
+    // pass by pass: a pass starts at a multiple of kWideRowsPerPass
     for (size_t first = 0; first < tiles.size();) {
       size_t last = first + 1;
-      while (last < tiles.size() && tiles[last].row0 % kRowsPerPass != 0) ++last;
+      while (last < tiles.size() && tiles[last].row0 % kWideRowsPerPass != 0) ++last;
       const auto count = int64_t(last - first);
       if (widen)
         run_wide_panels(xp, K, panels.data_ptr<at::BFloat16>(), bp, yp, N, &tiles[first], count, p0, p1);
