@@ -142,9 +142,10 @@ class Settings(BaseSettings):
     device: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = Field(
-        "auto", description="KV cache element type: auto (u8 under a bfloat16 model on CPU, else the "
-                            "model's dtype), or on CPU bf16, fp8_e4m3, int8 or u8 (1 byte: 1.8-1.9x the "
-                            "tokens in the same kv_cache_memory_bytes).")
+        "auto", description="KV cache element type: auto (u8 under a bfloat16 model or int8 weights on "
+                            "CPU, else the model's dtype), or on CPU fp32 (float32 models), bf16, fp8_e4m3, "
+                            "int8 or u8 (1 byte: "
+                            "1.8-1.9x the tokens in the same kv_cache_memory_bytes).")
     # Literal[QUANTIZATIONS]: the tuple's values, one definition; pydantic reads it, mypy cannot
     quantization: Literal[QUANTIZATIONS] | None = Field(  # type: ignore[valid-type]
         None, description="int8: per-channel int8 weights, dynamic int8 GEMMs (CPU); gguf: a .gguf model's "

@@ -51,6 +51,8 @@ from chat_workload import (  # noqa: E402
 )
 from openvino_peer import PEER_NAME, PEER_ROWS, ensure_export, run_peer  # noqa: E402
 
+from batchinfer.engine.config import KV_CACHE_DTYPES  # noqa: E402
+
 TARGET_VS_PEER = 1.2  # issue 21: >= 1.2x OpenVINO GenAI at each precision
 TARGET_VS_TRANSFORMERS = 8.0  # issue 21: >= 8x transformers generate_batch
 TRANSFORMERS_CB = "transformers generate_batch (continuous batching)"
@@ -160,7 +162,7 @@ def run_ours(prompts, budgets, precision: str, args, eos: frozenset[int],
         llm = LLM(MODEL_ALIAS, max_num_seqs=args.max_num_seqs, device="cpu", **options)
     except (ValueError, NotImplementedError) as exc:
         return f"the engine refused {options}: {exc}"
-    kv_format = getattr(llm.engine.model_runner, "kv_format", None)  # "auto" resolved (u8 under bf16 on CPU)
+    kv_format = getattr(llm.engine.model_runner, "kv_format", None)  # auto resolved (u8: bf16 / int8 on CPU)
     options["kv_cache"] = kv_format.name if kv_format is not None else "model dtype"
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=args.ignore_eos) for n in budgets]
     # Warm-up outside the timing (kernels built, allocator touched) on a prompt that shares no prefix block
@@ -283,7 +285,7 @@ def main() -> None:
     parser.add_argument("--precision", action="append", choices=PRECISIONS,
                         help="batchinfer precisions to run (repeatable; default: all)")
     parser.add_argument("--kv-cache-dtype", action="append",
-                        choices=["auto", "bf16", "fp8_e4m3", "int8", "u8"],
+                        choices=list(KV_CACHE_DTYPES),
                         help="KV cache dtype of our rows (repeatable: each precision runs once per value; "
                              "default auto; rows other than auto are listed as <precision>+kv-<dtype>)")
     parser.add_argument("--int8-dtype", default="auto", help="compute dtype of the int8 row")

@@ -10,7 +10,8 @@ the panel GEMM is not a dispatcher op, so --profile counts its time under "other
 instead of the fused norm/rotary/SiLU kernels), +sdpa (decode attention through the padded SDPA path
 instead of the native kernel, over the configuration's cache: u8 codes under bfloat16 unless +kv=bf16),
 +pystep (the Python layer loop instead of issue 34's native step, csrc/decoder_stack.cpp),
-+kv=<kv_cache_dtype> (the KV cache: int8, u8, fp8_e4m3, bf16; default auto, u8 under bfloat16 on CPU),
++kv=<kv_cache_dtype> (the KV cache: int8, u8, fp8_e4m3, bf16, fp32; default auto, u8 under bfloat16 or int8
+weights on CPU),
 +int8=<engine> (int8's GEMM: fbgemm or onednn; default auto, oneDNN's on AMX CPUs).
 --profile adds a torch.profiler table of one run of each configuration, grouped into GEMMs, attention,
 elementwise/norm/rotary and the rest.

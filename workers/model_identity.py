@@ -70,8 +70,8 @@ class ModelIdentity:
     quantization: str | None
     adapter: str | None = None
     adapter_fingerprint: str | None = None
-    # the resolved KV cache (EngineConfig.resolved_kv_cache_dtype: u8 under bfloat16 on CPU): a quantized
-    # cache changes outputs as the weights' dtype does
+    # the resolved KV cache (EngineConfig.resolved_kv_cache_dtype: u8 under bfloat16 or int8 weights on
+    # CPU): a quantized cache changes outputs as the weights' dtype does
     kv_cache_dtype: str = "auto"
 
     def key_fields(self) -> dict[str, object]:

@@ -20,8 +20,9 @@ def kv_cache_dtype_option(command: _Command) -> _Command:
     """Add --kv-cache-dtype (a value outside the choices: click's one-line usage error naming them)."""
     return click.option(
         "--kv-cache-dtype", type=click.Choice(list(KV_CACHE_DTYPES)), default=None,
-        help="KV cache element type: auto (u8 under a bfloat16 model on CPU, else the model's dtype), or "
-             "on CPU bf16, fp8_e4m3, int8 or u8 (default: settings.kv_cache_dtype).")(command)
+        help="KV cache element type: auto (u8 under a bfloat16 model or int8 weights on CPU, else the "
+             "model's dtype), or on CPU fp32 (float32 models), bf16, fp8_e4m3, int8 or u8 (default: "
+             "settings.kv_cache_dtype).")(command)
 
 
 def engine_overrides(*, device: str | None = None, dtype: str | None = None,

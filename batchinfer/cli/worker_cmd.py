@@ -37,7 +37,8 @@ def _setup_logging(level: str) -> None:
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None, help="GPUs per engine.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "half", "float"]),
               default=None,
-              help="Weights and activations (default: settings.dtype; auto: bf16 where the CPU has it).")
+              help="Weights and activations (default: settings.dtype; auto: bf16 where the CPU has it, "
+                   "float32 under int8 weights).")
 @kv_cache_dtype_option
 @click.option("--quantization", type=click.Choice(list(QUANTIZATIONS)), default=None,
               help="int8: int8 weights and dynamic int8 GEMMs on CPU; gguf: a .gguf model's own "

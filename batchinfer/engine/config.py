@@ -11,8 +11,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# EngineConfig.quantization values besides None: int8 weights (fbgemm), or a GGUF model's own Q4_0 / Q4_1 /
-# Q8_0 blocks; each format's loader, packer and kernel live in engine/layers/quantization.py
+# EngineConfig.quantization values besides None: int8 weights (fbgemm, oneDNN's on AMX), or a GGUF model's
+# own Q4_0 / Q4_1 / Q8_0 blocks; each format's loader, packer and kernel live in engine/layers/quantization.py
 from batchinfer.engine.layers.quantization import quantization_format, splitting_formats
 from batchinfer.engine.native.cpu_features import cpu_has_native_bf16  # tests import it from here too
 from batchinfer.engine.speculative_config import SpeculativeConfig, parse_speculative_config
@@ -84,12 +84,14 @@ def require_device(device: str) -> None:
 
 
 # "auto": KV_CACHE_AUTO_CPU_QUANTIZED on CPU under a bfloat16 model or int8 weights, else the model dtype;
-# the others are kv_quant.FORMATS (int8: per token and head scale; u8: scale and zero point)
-KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "int8", "u8")
+# "fp32": a float32 model's own cache (int8 weights' cache before auto became u8); the others are
+# kv_quant.FORMATS (int8: per token and head scale; u8: scale and zero point)
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp8_e4m3", "int8", "u8")
+MODEL_DTYPE_KV_CACHES = {"fp32": "float32", "bf16": "bfloat16"}  # the values that name a model dtype's cache
 # What "auto" is on CPU for a bfloat16 model or int8 weights (issue 34), OpenVINO's CPU default too. bf16
 # model: 0.99-1.25x the bf16 cache's tok/s on SmolLM2 (more the longer the contexts) with the native kernels,
 # 1.78x the tokens in the same memory (head_dim 64), at 0.18% of a fixed text's mean log-probability
-# (bench/quality.py). int8 weights (float32 activations): 1.12-1.19x the float32 cache's tok/s on an AMX CPU.
+# (bench/quality.py). int8 weights (float32 activations): 1.17x the float32 cache's tok/s on an AMX CPU.
 # Resolved from the config alone, so every rank and the result-cache key agree (without the native kernels
 # the torch path reads it, slower).
 KV_CACHE_AUTO_CPU_QUANTIZED = "u8"
@@ -110,7 +112,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto = bfloat16 on CUDA and on CPUs with native bf16 (see resolved_dtype)
     # KV cache element type: "auto" (resolved_kv_cache_dtype) or KV_CACHE_DTYPES' formats (CPU only)
     kv_cache_dtype: str = "auto"
-    quantization: str | None = None  # None, "int8" (int8 weights, fbgemm), "gguf" (a .gguf's own blocks)
+    quantization: str | None = None  # None, "int8" (int8 weights, dynamic GEMMs), "gguf" (a .gguf's blocks)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -190,6 +192,9 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.device.startswith("cuda"):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} runs on CPU only (the Triton kernels "
                              f"read the model dtype); got device {self.device!r}")
+        if self.kv_cache_dtype == "fp32" and self.dtype not in ("auto", "float32"):
+            raise ValueError(f"kv_cache_dtype='fp32' is a float32 model's own cache; got dtype "
+                             f"{self.dtype!r}: use auto, bf16, int8, u8 or fp8_e4m3")
 
     def _check_lora(self) -> None:
         if not isinstance(self.enable_lora, bool):
@@ -237,7 +242,10 @@ class EngineConfig:
     def resolved_kv_cache_dtype(self) -> str:
         """kv_cache_dtype with "auto" resolved: KV_CACHE_AUTO_CPU_QUANTIZED on CPU for a bfloat16 model or
         int8 weights, else "auto" (the model dtype: float32 stays token-exact with transformers, CUDA keeps
-        its own cache)."""
+        its own cache); "fp32" / "bf16" under that very model dtype are "auto" too."""
+        if self.kv_cache_dtype in ("fp32", "bf16") and self.resolved_dtype_name() == MODEL_DTYPE_KV_CACHES[
+                self.kv_cache_dtype]:
+            return "auto"  # the model dtype's own cache: one result-cache key whichever way it was asked for
         if (self.kv_cache_dtype == "auto" and self.attention_backend != "triton"
                 and (self.resolved_dtype_name() == "bfloat16" or self.quantization == "int8")
                 and not self.resolved_device().startswith("cuda")):

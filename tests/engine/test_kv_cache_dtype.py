@@ -11,7 +11,7 @@ import torch
 from batchinfer.engine import LLM, SamplingParams
 from batchinfer.engine.config import KV_CACHE_AUTO_CPU_QUANTIZED, EngineConfig
 from batchinfer.engine.layers import cpu_attention
-from batchinfer.engine.layers.kv_quant import FORMATS, dequantize, quantize
+from batchinfer.engine.layers.kv_quant import FORMATS, dequantize, kv_cache_format, quantize
 from batchinfer.engine.worker.model_runner import ModelRunner
 from tests.fixtures.tiny_models import training_sentences
 
@@ -39,7 +39,8 @@ def test_round_trip_within_the_quantization_error(name: str) -> None:
 
 @pytest.mark.parametrize("value", ["fp16", "int4", "", 8])
 def test_invalid_value_names_the_field(value: object) -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of auto, bf16, fp8_e4m3, int8, u8"):
+    with pytest.raises(ValueError,
+                       match="kv_cache_dtype: must be one of auto, fp32, bf16, fp8_e4m3, int8, u8"):
         EngineConfig(model="m", kv_cache_dtype=value)  # type: ignore[arg-type]
 
 
@@ -122,7 +123,7 @@ def test_native_store_refuses_a_slot_outside_the_cache_before_writing() -> None:
 
 def test_auto_is_u8_for_a_bf16_model_or_int8_weights_on_cpu() -> None:
     """The measured default (KV_CACHE_AUTO_CPU_QUANTIZED), resolved from the config alone so that every rank
-    and the result-cache key agree; float32 keeps the model dtype, and an explicit value is never changed."""
+    and the result-cache key agree; float32 keeps the model dtype, and an explicit quantized value is kept."""
     def resolved(**kwargs: str) -> str:
         return EngineConfig(model="m", device="cpu", **kwargs).resolved_kv_cache_dtype()
 
@@ -130,9 +131,14 @@ def test_auto_is_u8_for_a_bf16_model_or_int8_weights_on_cpu() -> None:
     assert resolved(dtype="float32") == "auto"
     assert resolved(dtype="float32", quantization="int8") == "u8"
     assert resolved(quantization="int8") == "u8"
-    for explicit in ("bf16", "int8", "fp8_e4m3"):
+    for explicit in ("int8", "fp8_e4m3", "u8"):
         assert resolved(dtype="bfloat16", kv_cache_dtype=explicit) == explicit
+    for explicit in ("bf16", "int8", "fp8_e4m3"):
         assert resolved(quantization="int8", kv_cache_dtype=explicit) == explicit
+    # the model dtype's own cache, however named, is auto's (one result-cache key)
+    assert resolved(dtype="bfloat16", kv_cache_dtype="bf16") == "auto"
+    assert resolved(quantization="int8", kv_cache_dtype="fp32") == "auto"
+    assert resolved(dtype="float32", kv_cache_dtype="fp32") == "auto"
 
 
 def test_int8_weights_take_float32_activations_on_cpu() -> None:
@@ -144,7 +150,8 @@ def test_int8_weights_take_float32_activations_on_cpu() -> None:
 
 
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype", "want"),
-                         [("bfloat16", "auto", "u8"), ("bfloat16", "bf16", None), ("float32", "auto", None)])
+                         [("bfloat16", "auto", "u8"), ("bfloat16", "bf16", None), ("float32", "auto", None),
+                          ("float32", "fp32", None)])
 def test_the_runner_resolves_auto(tiny_llama: Path, dtype: str, kv_cache_dtype: str,
                                   want: str | None) -> None:
     runner = ModelRunner(EngineConfig(model=str(tiny_llama), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -168,3 +175,18 @@ def test_native_store_keeps_a_nan_row_nan_and_its_codes_defined() -> None:
         assert params[0][0, 0].isnan().all() and not codes[0][0, 0].any()
         # the inf row: its scale is inf, so every finite value codes to 0 and inf / inf (a NaN code) to 0
         assert not codes[0][0, 1].any()
+
+
+def test_an_fp32_cache_under_a_bf16_model_names_the_choices() -> None:
+    """fp32 is a float32 model's own cache (int8 weights' way out of auto's u8); under bf16 (dtype auto
+    resolved to it, past the config's check of an explicit dtype) the runner's format lookup refuses it."""
+    assert kv_cache_format("fp32", torch.float32) is None
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp32' is a float32 model's own cache; this model "
+                                         r"runs bfloat16: use auto, bf16, int8, u8 or fp8_e4m3"):
+        kv_cache_format("fp32", torch.bfloat16)
+
+
+def test_an_fp32_cache_under_an_explicit_bf16_dtype_is_refused_with_the_config() -> None:
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp32' is a float32 model's own cache; got dtype "
+                                         r"'bfloat16': use auto, bf16, int8, u8 or fp8_e4m3"):
+        EngineConfig(model="m", dtype="bfloat16", kv_cache_dtype="fp32")

@@ -67,7 +67,7 @@ def test_native_step_equals_the_python_layer_loop(tiny_llama: Path, dtype: str, 
     if linear == "panel" and weight_packing.panel_extension() is None:
         pytest.skip("the panel GEMM needs an AVX2 + FMA build")
     monkeypatch.setenv(weight_packing.CPU_LINEAR_ENV, linear)
-    plain = "bf16" if dtype == "bfloat16" else "auto"  # a cache of the model dtype ("auto" is u8 under bf16)
+    plain = "bf16" if dtype == "bfloat16" else "fp32"  # the model dtype's cache (auto: u8 under bf16 / int8)
     native = _runner(tiny_llama, dtype, quantization, plain)
     if quantization is None:
         kind = weight_packing.PanelLinear if linear == "panel" else weight_packing.OneDnnLinear
@@ -99,6 +99,27 @@ def test_native_step_over_a_quantized_cache_equals_the_python_layer_loop(
         got, want = got_layer.quantized_kv, want_layer.quantized_kv
         assert got is not None and want is not None and got.k_params is not None and got.v_params is not None
         assert torch.equal(got.k_params, want.k_params) and torch.equal(got.v_params, want.v_params)
+
+
+@pytest.mark.parametrize("engine", ["fbgemm", "onednn"])
+def test_native_step_with_int8_weights_over_the_default_u8_cache_equals_the_python_layer_loop(
+        tiny_llama: Path, engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8's defaults (float32 activations, a u8 cache) with weights packed for either quantized engine:
+    the C++ stack calls whichever packed them, as the Python loop does."""
+    if engine not in torch.backends.quantized.supported_engines:
+        pytest.skip(f"this torch build has no {engine}")
+    monkeypatch.setenv(weight_packing.INT8_GEMM_ENV, engine)
+    native = _runner(tiny_llama, "auto", "int8")
+    python = _runner(tiny_llama, "auto", "int8")
+    assert native.dtype == torch.float32 and native.kv_format is not None and native.kv_format.name == "u8"
+    assert isinstance(native.model.model.layers[0].mlp.down_proj.packed, weight_packing.Int8Linear)
+    assert native.native_step is not None
+    python.native_step = None
+    native_logits, native_cache = _run(native)
+    python_logits, python_cache = _run(python)
+    for got, expected in zip(native_logits, python_logits, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(native_cache, python_cache)
 
 
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype", "native_attention"),

@@ -34,6 +34,7 @@ def test_int8_linear_is_close_to_the_float_linear() -> None:
     assert int8_linear(weight, None)(x.bfloat16()).dtype == torch.bfloat16  # output in the input's dtype
 
 
+@needs_fbgemm
 @pytest.mark.parametrize("engine", ["fbgemm", "onednn"])
 @pytest.mark.parametrize("per_token", [False, True])
 def test_both_int8_engines_quantize_the_same_way(monkeypatch: pytest.MonkeyPatch, engine: str,
@@ -92,9 +93,11 @@ def test_per_token_int8_linear_keeps_an_outlier_row_from_spoiling_the_others() -
 def test_int8_runner_tracks_fp32(request, name: str, dtype: str) -> None:
     """Prefill and decode logits of an int8 runner stay close to fp32 (log-probs, teacher-forced)."""
     path: Path = request.getfixturevalue(name)
-    quant = make_runner(path, dtype=dtype, quantization="int8")
+    # the weights alone: a cache of the model dtype (auto is u8 under int8 weights on CPU)
+    model_cache = "fp32" if dtype == "float32" else "bf16"
+    quant = make_runner(path, dtype=dtype, quantization="int8", kv_cache_dtype=model_cache)
     fp32 = make_runner(path, dtype="float32")
-    assert quant.model.model.layers[0].mlp.gate_up_proj.packed is not None
+    assert quant.model.model.layers[0].mlp.gate_up_proj.packed is not None and quant.kv_format is None
     # The runner smoothed (the norm weights carry the 1 / s); fp32 kept the checkpoint's.
     norm_weights = [r.model.model.layers[0].input_layernorm.weight.float() for r in (quant, fp32)]
     assert not torch.allclose(*norm_weights)

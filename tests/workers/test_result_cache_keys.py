@@ -175,3 +175,27 @@ def test_a_bf16_cpu_worker_keys_its_results_under_the_cache_auto_resolves_to(
     assert auto.provenance(seed=None, source="miss", computed_in=1).get("kv_cache_dtype") == "u8"
     assert auto.key_fields() == identity(dtype="bfloat16", kv_cache_dtype="u8").key_fields()
     assert "kv_cache_dtype" not in identity(dtype="float32").key_fields()
+    float32 = identity(dtype="float32").key_fields()
+    assert identity(dtype="float32", kv_cache_dtype="fp32").key_fields() == float32
+    assert identity(dtype="bfloat16", kv_cache_dtype="bf16").key_fields() == identity(
+        dtype="float32").key_fields() | {"dtype": "bfloat16"}  # the model dtype's own cache: no cache field
+
+
+def test_an_int8_cpu_worker_keys_its_results_under_float32_and_u8(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 weights resolve auto to float32 activations and a u8 cache; both are in the key, and an explicit
+    fp32 cache keys apart from it."""
+    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    (model / "config.json").write_text("{}")
+
+    def identity(**config: str) -> ModelIdentity:
+        return model_identity.model_identity(EngineConfig(model=str(model), device="cpu", quantization="int8",
+                                                          **config), served_model="m")
+
+    auto = identity()
+    assert auto.key_fields()["dtype"] == "float32" and auto.key_fields()["kv_cache_dtype"] == "u8"
+    assert "kv_cache_dtype" not in identity(kv_cache_dtype="fp32").key_fields()
+    assert identity(kv_cache_dtype="fp32").key_fields() != auto.key_fields()

@@ -46,7 +46,14 @@ FORMATS = {
 
 def kv_cache_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVCacheFormat | None:
     """The format of a resolved kv_cache_dtype (EngineConfig.resolved_kv_cache_dtype); None when the cache
-    simply holds the model dtype ("auto")."""
+    simply holds the model dtype ("auto", "fp32" under float32, "bf16" under bfloat16). "fp32" under
+    another model dtype is a ValueError naming the choices."""
+    if kv_cache_dtype == "fp32":
+        if model_dtype != torch.float32:
+            model = str(model_dtype).removeprefix("torch.")
+            raise ValueError(f"kv_cache_dtype='fp32' is a float32 model's own cache; this model runs "
+                             f"{model}: use auto, bf16, int8, u8 or fp8_e4m3")
+        return None
     if kv_cache_dtype == "auto" or (kv_cache_dtype == "bf16" and model_dtype == torch.bfloat16):
         return None
     return FORMATS[kv_cache_dtype]

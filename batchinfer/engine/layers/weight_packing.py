@@ -3,23 +3,24 @@
 Why: on this project's CPUs (AMD EPYC) torch's fp32 F.linear goes to MKL, which takes a slow generic path on
 non-Intel CPUs; oneDNN's JIT kernels run the same fp32 GEMMs 2.5-4.5x faster (the LM head of SmolLM2-135M at 8
 rows: 12 ms -> 2.6 ms), and with a weight prepacked into oneDNN's blocked layout bf16 runs another 1.2-1.8x
-faster than bf16 F.linear; our panel GEMM (below) beats oneDNN's fp32 GEMM at decode sizes, so it is the
-float32 default. int8 (quantization="int8") stores each weight per output channel in int8 and runs fbgemm's
+faster than bf16 F.linear; our panel GEMM (below) beats oneDNN at decode sizes, so it is the default where
+measured (AVX2-only CPUs; float32 on AVX-512 CPUs with AMX). int8 (quantization="int8") stores each weight
+per output channel in int8 and runs fbgemm's
 dynamic-quantized GEMM (activations quantized per call and per tensor): 1.5-2x bf16's speed at the batch
 sizes of a decode step; on a CPU with AMX tiles oneDNN's (int8_gemm_engine). Its error is mostly the
 per-tensor activation scale (weight-only int8 alone keeps the KL to fp32 at ~0.004), so two things keep it
 in check: int8_smoothing folds per-channel activation smoothing into the weights once at load (channel
 outliers of the norm outputs and of v), and down_proj's input, whose outliers sit on a few tokens rather
-than in a few channels, is quantized per token (each row scaled to max 1 around the per-tensor GEMM). On SmolLM2-135M without VNNI that takes
-bench/quality.py's fixed-text mean log-prob from 32% off fp32 to 2.3%. The LM head is int8 too (about 1% of
-that delta).
+than in a few channels, is quantized per token (each row scaled to max 1 around the per-tensor GEMM). On
+SmolLM2-135M without VNNI that takes bench/quality.py's fixed-text mean log-prob from 32% off fp32 to 2.3%.
+The LM head is int8 too (about 1% of that delta).
 
 On an AVX2-only CPU (no AVX-512: oneDNN has no brgemm there) float32 and bfloat16 weights go to our own
 panel GEMM (PanelLinear, csrc/panel_gemm.cpp): oneDNN's AVX2 GEMM paid a decode step's weight
 traffic and its arithmetic one after the other, the panel GEMM streams each weight once per step beside
 the arithmetic (a step's 121 GEMMs of SmolLM2 on the AVX2 bench machine: 24 vs 36 ms at 1 row, 70 vs 95 ms
-at 32, 176 vs 262 ms at 96), and a bf16 weight stays bf16 in memory, widened in registers. On AVX-512 it
-runs float32 (14 x 32 tiles; panel_gemm_preferred says why); bfloat16 there stays on oneDNN's bf16 GEMM.
+at 32, 176 vs 262 ms at 96), and a bf16 weight stays bf16 in memory, widened in registers. On an AVX-512
+CPU with AMX it runs float32 (14 x 32 tiles; panel_gemm_preferred says why and where not).
 
 pack_linears(model, kernels) sets each LinearBase / ParallelLMHead's `packed` callable (x -> y with its
 bias), the kernel the weight format chooses (layers/quantization.py: dense, int8, gguf); the modules fall
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -44,8 +46,8 @@ from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.cpu_attention import fused_ops_for
 from batchinfer.engine.native.cpu_features import cpu_flags, cpu_has_vnni
 
-# "auto" (default: "panel" for float32, and for bfloat16 on AVX2-only CPUs; else "onednn"), "onednn", "panel"
-# or "aten" (plain F.linear)
+# "auto" (default: "panel" on AVX2-only CPUs, and for float32 on AMX ones; else "onednn"), "onednn",
+# "panel" or "aten" (plain F.linear)
 CPU_LINEAR_ENV = "BATCHINFER_CPU_LINEAR"
 CPU_LINEAR_MODES = ("auto", "onednn", "panel", "aten")
 # int8's GEMM, torch's quantized engine the weights are packed for: "auto" (default: "onednn" on a CPU with
@@ -113,19 +115,23 @@ def panel_extension() -> Any:
 
 def panel_gemm_preferred(dtype: torch.dtype) -> bool:
     """True where "auto" picks the panel GEMM for weights of this dtype (its build has it: AVX2 + FMA):
-    float32 on any such CPU, bfloat16 on one without AVX-512.
+    float32 / bfloat16 on a CPU without AVX-512, float32 on an AVX-512 CPU with AMX tiles.
 
-    On AVX-512 its 14-row x 32-column tile beat oneDNN's fp32 GEMM over a SmolLM2 step from 1 to 256 rows
-    (1.06-1.43x, bench/panel_gemm.py, AMX Xeon) and came within 0.95x at 512 (prefill, embedding batches):
-    the chat bench ran 1.18-1.24x faster, bench/embeddings.py level (54.9 s against 54.2 s). bf16 there
-    stays on oneDNN's bf16 GEMM (avx512_bf16 / AMX dot products; the panel GEMM widens to float32).
+    On an AMX Xeon its 14-row x 32-column AVX-512 tile beat oneDNN's fp32 GEMM over a SmolLM2 step from 1
+    to 256 rows (1.06-1.43x, bench/panel_gemm.py) and came within 0.95x at 512 (prefill, embedding
+    batches): the chat bench ran 1.18-1.23x faster, bench/embeddings.py level (54.9 s against 54.2 s).
+    Other AVX-512 CPUs (AMD's: half-width FMAs, slower gathers, 1 MiB L2) keep oneDNN until measured there
+    (the earlier one-panel tile ran their embeddings 0.91x). bf16 on AVX-512 stays on oneDNN's bf16 GEMM
+    (avx512_bf16 / AMX dot products; the panel GEMM widens to float32).
     """
     if dtype not in PANEL_DTYPES or panel_extension() is None:
         return False
     flags = cpu_flags()
     if not {"avx2", "fma"} <= flags:
         return False
-    return dtype == torch.float32 or "avx512f" not in flags
+    if "avx512f" not in flags:
+        return True
+    return dtype == torch.float32 and "amx_tile" in flags
 
 
 def panel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:
@@ -232,15 +238,19 @@ def int8_gemm_engine() -> str:
     return engine
 
 
+_QUANTIZED_ENGINE_LOCK = threading.Lock()  # the engine is process-wide: one packer sets it at a time
+
+
 @contextlib.contextmanager
 def quantized_engine(engine: str) -> Iterator[None]:
     """torch's global quantized engine set to `engine` in the block (prepacking reads it), then restored."""
-    previous = torch.backends.quantized.engine
-    torch.backends.quantized.engine = engine
-    try:
-        yield
-    finally:
-        torch.backends.quantized.engine = previous
+    with _QUANTIZED_ENGINE_LOCK:
+        previous = torch.backends.quantized.engine
+        torch.backends.quantized.engine = engine
+        try:
+            yield
+        finally:
+            torch.backends.quantized.engine = previous
 
 
 def onednn_supports(dtype: torch.dtype) -> bool:

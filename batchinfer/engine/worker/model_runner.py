@@ -121,7 +121,7 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         # Decode tokens on CPU (fp32/bf16) go to the native kernel (built here, once, rather than mid-step).
-        # None: the cache holds the model dtype ("auto" is u8 under bfloat16 on CPU)
+        # None: the cache holds the model dtype ("auto" is u8 under bfloat16 or int8 weights on CPU)
         self.kv_format = kv_cache_format(config.resolved_kv_cache_dtype(), self.dtype)
         if self.kv_format is not None and self.attention_backend != "torch":
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: needs the torch attention backend "

@@ -7,13 +7,13 @@ same order from C++ over the weights the layers were packed into (weight_packing
 bit-identical to the Python loop, which stays as the fallback and the reference.
 
 What runs natively: a whole-model Llama (no pipeline stage, one tensor-parallel rank, no LoRA) on CPU in
-float32 / bfloat16 whose linears are panel-packed, oneDNN-prepacked, fbgemm int8 or plain dense, with the
-fused CPU kernels enabled. A decode-only step runs attention natively too (csrc/paged_attention.cpp), over a
-cache of the model dtype or of int8 / u8 codes (kv_cache_dtype; stored by csrc/fused_ops.cpp's
-store_kv_quantized_, as the Python path stores them); any other step (prefill chunks, or a KV cache the
-native kernel cannot read: bf16 under a float32 model, fp8_e4m3) calls back into the Attention layer once
-per layer (layers/attention.py stays the one attention entry). Set BATCHINFER_CPU_NATIVE_STEP=0 for the
-Python loop (A/B runs).
+float32 / bfloat16 whose linears are panel-packed, oneDNN-prepacked, int8 (fbgemm or oneDNN) or plain
+dense, with the fused CPU kernels enabled. A decode-only step runs attention natively too
+(csrc/paged_attention.cpp), over a cache of the model dtype or of int8 / u8 codes (kv_cache_dtype; stored
+by csrc/fused_ops.cpp's store_kv_quantized_, as the Python path stores them); any other step (prefill
+chunks, or a KV cache the native kernel cannot read: bf16 under a float32 model, fp8_e4m3) calls back into
+the Attention layer once per layer (layers/attention.py stays the one attention entry). Set
+BATCHINFER_CPU_NATIVE_STEP=0 for the Python loop (A/B runs).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 NATIVE_STEP_ENV = "BATCHINFER_CPU_NATIVE_STEP"  # "0": the Python layer loop instead (A/B runs)
 
-# One linear as the C++ stack takes it: (kind, weight, bias, fbgemm packed params, per_token, reduce_range,
+# One linear as the C++ stack takes it: (kind, weight, bias, int8 packed params, per_token, reduce_range,
 # out_features (the panel GEMM's N; 0 for the others))
 LinearSpec = tuple[int, torch.Tensor, torch.Tensor | None, object, bool, bool, int]
 
@@ -46,7 +46,7 @@ class NativeLinearKind(IntEnum):
 
     ATEN = 0  # the dense weight, at::linear
     ONEDNN = 1  # oneDNN's prepacked weight, mkldnn::_linear_pointwise
-    INT8 = 2  # fbgemm's packed int8 weight, quantized::linear_dynamic
+    INT8 = 2  # the packed int8 weight (fbgemm's or oneDNN's), quantized::linear_dynamic
     PANEL = 3  # the panels of csrc/panel_gemm.cpp, panel_linear
 
 

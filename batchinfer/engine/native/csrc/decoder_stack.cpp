@@ -4,7 +4,7 @@
 // attention, SiLU-and-mul, views) through nn.Module calls; on 2 cores that interpreter time between the
 // kernels is 10-40% of a small decode step (int8, whose GEMMs are fastest, loses most). This loop calls the
 // same kernels in the same order (fused_ops.cpp, paged_attention.cpp, panel_gemm.cpp, oneDNN's prepacked GEMM
-// or fbgemm's dynamic int8 GEMM through the dispatcher), so its output is bit-identical to the Python path.
+// or the dynamic int8 GEMM (fbgemm's, oneDNN's on AMX) through the dispatcher), so its output is bit-identical to the Python path.
 //
 // A quantized cache (int8 / u8 codes) is stored and read by the same kernels the Python path calls
 // (store_kv_quantized_, paged_decode_attention_quantized). A step that is not decode-only (prefill chunks,
@@ -33,7 +33,8 @@ struct NativeLinear {
                                        // [P, K, 16] panels of pack_panels
   int64_t out_features = 0;            // panel: N (the last panel may be padded)
   c10::optional<torch::Tensor> bias;   // aten / oneDNN: in the GEMM; int8 per token: added after rescaling
-  c10::IValue packed;                  // int8: fbgemm's LinearPackedParamsBase (its bias inside, per tensor)
+  c10::IValue packed;                  // int8: fbgemm's / oneDNN's LinearPackedParamsBase (bias inside, per
+                                       // tensor)
   bool per_token = false;              // int8: each row scaled to max 1 around the GEMM
   bool reduce_range = false;           // int8: 7-bit activations (no VNNI)
 };
@@ -86,7 +87,7 @@ NativeLinear make_linear(int64_t kind, torch::Tensor weight, c10::optional<torch
   if (kind == kInt8Linear) {
     static const c10::TypePtr packed_type =
         torch::getCustomClass("__torch__.torch.classes.quantized.LinearPackedParamsBase");
-    TORCH_CHECK(packed_type != nullptr, "fbgemm's LinearPackedParamsBase is not registered");
+    TORCH_CHECK(packed_type != nullptr, "torch's quantized LinearPackedParamsBase is not registered");
     l.packed = torch::jit::toIValue(packed, packed_type);
   }
   l.per_token = per_token;

@@ -1,6 +1,6 @@
 // y = x @ W.T (+ bias) over a weight packed once into column panels: the float32 / bfloat16 linears of an
-// AVX2-only CPU, and of an AVX-512 one with BATCHINFER_CPU_LINEAR=panel (engine/layers/weight_packing.py's
-// PanelLinear; panel_gemm_preferred says why not by default).
+// AVX2-only CPU, the float32 ones of an AVX-512 CPU with AMX (where it was measured), and any with
+// BATCHINFER_CPU_LINEAR=panel (engine/layers/weight_packing.py's PanelLinear and panel_gemm_preferred).
 //
 // Why: a decode step's GEMMs have few rows (one per sequence) against weights that stream from memory
 // every step. oneDNN's AVX2 fp32 GEMM (AVX2-only CPUs have no brgemm) paid its weight traffic and its
@@ -150,11 +150,12 @@ void run_panels(const float* x, int64_t K, const W* panels, const float* bias, f
 // step are then adjacent, one pointer plus constant offsets (14 row pointers would take most of the 16
 // general registers, and rows at a stride of a multiple of 1 KiB evict one another in L1).
 constexpr int64_t kWideTileRows = 14;  // 28 accumulators + 2 weights (of 32 registers)
+static_assert(kWideTileRows <= 16, "a tile's rows are one gather's lanes (pack_wide_tiles)");
 // Rows per pass over the panels (36 tiles): every pass streams all the weights again, and fewer passes
 // paid more than x's rows leaving L2 (AMX Xeon, L2 2 MiB per core: 256 rows 0.92x -> 0.98x oneDNN's time).
 constexpr int64_t kWideRowsPerPass = 36 * kWideTileRows;
-// k steps ahead that a tile prefetches its panel (into the next panel at the end: a thread's run is
-// contiguous): 2 KiB of float32, 1 KiB of bf16 (whose 32-byte rows prefetch each line twice, for free).
+// k steps ahead that a tile prefetches each of its panels (near a panel's end, into the panel after it):
+// 2 KiB of float32, 1 KiB of bf16 (whose 32-byte rows prefetch each line twice, for free).
 constexpr int64_t kWidePrefetchSteps = 32;
 
 struct WideTile {
