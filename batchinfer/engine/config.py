@@ -87,7 +87,8 @@ def require_device(device: str) -> None:
 # "fp32": a float32 model's own cache (int8 weights' cache before auto became u8); the others are
 # kv_quant.FORMATS (int8: per token and head scale; u8: scale and zero point)
 KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp8_e4m3", "int8", "u8")
-MODEL_DTYPE_KV_CACHES = {"fp32": "float32", "bf16": "bfloat16"}  # the values that name a model dtype's cache
+# the kv_cache_dtype values that name a model dtype's own cache (unquantized): value -> that dtype's name
+MODEL_DTYPE_KV_CACHES = {"fp32": "float32", "bf16": "bfloat16"}
 # What "auto" is on CPU for a bfloat16 model or int8 weights (issue 34), OpenVINO's CPU default too. bf16
 # model: 0.99-1.25x the bf16 cache's tok/s on SmolLM2 (more the longer the contexts) with the native kernels,
 # 1.78x the tokens in the same memory (head_dim 64), at 0.18% of a fixed text's mean log-probability
@@ -243,8 +244,7 @@ class EngineConfig:
         """kv_cache_dtype with "auto" resolved: KV_CACHE_AUTO_CPU_QUANTIZED on CPU for a bfloat16 model or
         int8 weights, else "auto" (the model dtype: float32 stays token-exact with transformers, CUDA keeps
         its own cache); "fp32" / "bf16" under that very model dtype are "auto" too."""
-        if self.kv_cache_dtype in ("fp32", "bf16") and self.resolved_dtype_name() == MODEL_DTYPE_KV_CACHES[
-                self.kv_cache_dtype]:
+        if MODEL_DTYPE_KV_CACHES.get(self.kv_cache_dtype) == self.resolved_dtype_name():
             return "auto"  # the model dtype's own cache: one result-cache key whichever way it was asked for
         if (self.kv_cache_dtype == "auto" and self.attention_backend != "triton"
                 and (self.resolved_dtype_name() == "bfloat16" or self.quantization == "int8")
@@ -256,7 +256,7 @@ class EngineConfig:
         """resolved_dtype's name ("bfloat16", ...): torch is imported only to resolve device "auto".
 
         int8 weights on CPU take float32 activations: their GEMMs read and write float32, so bf16 activations
-        only add a conversion each way per GEMM (1.06-1.12x slower on SmolLM2, AMX CPU).
+        only add a conversion each way per GEMM (1.11-1.12x slower on SmolLM2 over a u8 cache, AMX CPU).
         """
         if self.dtype == "auto":
             if self.resolved_device().startswith("cuda"):

@@ -99,3 +99,19 @@ def test_worker_flag_reaches_the_engine(env: Path, tiny_llama: Path, built_confi
     assert result.exit_code == 0, result.output
     assert [config.kv_cache_dtype for config in built_configs] == ["fp8_e4m3"]
     assert process.process_engine_overrides["kv_cache_dtype"] == "fp8_e4m3"
+
+
+def test_int8_weights_run_over_a_u8_cache_unless_asked_for_the_model_dtype(env: Path, tiny_llama: Path,
+                                                                           built_configs: list):
+    """`batchinfer run --quantization int8`: float32 activations over a u8 cache, named in each line's
+    provenance; `--kv-cache-dtype fp32` keeps the float32 cache, whose provenance names no cache."""
+    for flags, cache in [((), "u8"), (("--kv-cache-dtype", "fp32"), None)]:
+        out = env / f"out-{cache}.jsonl"
+        result = invoke("run", str(env / "in.jsonl"), "-o", str(out), "--model", str(tiny_llama),
+                        "--quantization", "int8", *flags)
+        assert result.exit_code == 0, result.output
+        lines = read_lines(out)
+        assert len(lines) == 3 and all(line["error"] is None for line in lines)
+        provenance = [line["provenance"] for line in lines]
+        assert all(p.get("kv_cache_dtype") == cache for p in provenance), provenance[0]
+    assert [config.resolved_dtype_name() for config in built_configs] == ["float32", "float32"]

@@ -11,11 +11,10 @@ import torch
 
 from batchinfer.config import Settings
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.layers import int8_smoothing
+from batchinfer.engine.layers import int8_smoothing, weight_packing
 from batchinfer.engine.layers.context import AttentionContext, set_context
 from batchinfer.engine.layers.quantization import quantization_format
 from batchinfer.engine.layers.weight_packing import INT8_GEMM_ENV, int8_gemm_engine, int8_linear
-from batchinfer.engine.native.cpu_features import cpu_flags
 from tests.engine.test_models import FakeSeq, ScatteredBlocks, make_runner, random_tokens, run_step
 
 needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
@@ -60,8 +59,12 @@ def test_both_int8_engines_quantize_the_same_way(monkeypatch: pytest.MonkeyPatch
 def test_the_int8_engine_is_onednn_only_on_amx_and_a_bad_value_names_the_choices(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(INT8_GEMM_ENV, raising=False)
-    amx = "amx_int8" in cpu_flags() and "onednn" in torch.backends.quantized.supported_engines
-    assert int8_gemm_engine() == ("onednn" if amx else "fbgemm")
+    onednn_built = "onednn" in torch.backends.quantized.supported_engines
+    for flags, want in [(frozenset({"avx512f", "avx512_vnni", "amx_tile", "amx_int8"}),
+                         "onednn" if onednn_built else "fbgemm"),
+                        (frozenset({"avx512f", "avx512_vnni"}), "fbgemm"), (frozenset({"avx2"}), "fbgemm")]:
+        monkeypatch.setattr(weight_packing, "cpu_flags", lambda flags=flags: flags)
+        assert int8_gemm_engine() == want, flags
     monkeypatch.setenv(INT8_GEMM_ENV, "fbgemm")
     assert int8_gemm_engine() == "fbgemm"
     monkeypatch.setenv(INT8_GEMM_ENV, "qnnpack")

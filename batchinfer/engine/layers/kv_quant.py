@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchinfer.engine.config import MODEL_DTYPE_KV_CACHES
+
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
@@ -48,14 +50,12 @@ def kv_cache_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVCacheFor
     """The format of a resolved kv_cache_dtype (EngineConfig.resolved_kv_cache_dtype); None when the cache
     simply holds the model dtype ("auto", "fp32" under float32, "bf16" under bfloat16). "fp32" under
     another model dtype is a ValueError naming the choices."""
+    model = str(model_dtype).removeprefix("torch.")
+    if kv_cache_dtype == "auto" or MODEL_DTYPE_KV_CACHES.get(kv_cache_dtype) == model:
+        return None
     if kv_cache_dtype == "fp32":
-        if model_dtype != torch.float32:
-            model = str(model_dtype).removeprefix("torch.")
-            raise ValueError(f"kv_cache_dtype='fp32' is a float32 model's own cache; this model runs "
-                             f"{model}: use auto, bf16, int8, u8 or fp8_e4m3")
-        return None
-    if kv_cache_dtype == "auto" or (kv_cache_dtype == "bf16" and model_dtype == torch.bfloat16):
-        return None
+        raise ValueError(f"kv_cache_dtype='fp32' is a float32 model's own cache; this model runs {model}: "
+                         "use auto, bf16, int8, u8 or fp8_e4m3")
     return FORMATS[kv_cache_dtype]
 
 

@@ -224,7 +224,7 @@ def int8_gemm_engine() -> str:
 
     "auto" is oneDNN on a CPU with AMX int8 tiles: its AMX GEMM ran a SmolLM2 step's int8 GEMMs 1.5-2.6x
     faster than fbgemm's AVX-512 VNNI from 32 rows up (fbgemm is faster at 1-8 rows; 5.5 vs 3.2 ms at 1).
-    Elsewhere fbgemm, which oneDNN does not beat without AMX.
+    Elsewhere fbgemm, as before (oneDNN's int8 GEMM was measured only on an AMX CPU).
     """
     engine = os.environ.get(INT8_GEMM_ENV, "auto")
     if engine not in INT8_GEMM_ENGINES:
