@@ -32,7 +32,7 @@ from batchinfer.config_sources import (
     read_config_file,
     sources_of,
 )
-from batchinfer.engine.config import canonical_kv_cache_dtype
+from batchinfer.engine.config import FLOAT32_MATMUL_PRECISIONS, canonical_kv_cache_dtype
 from batchinfer.engine.layers.quantization import QUANTIZATIONS
 from batchinfer.engine.speculative_config import parse_speculative_config
 from batchinfer.engine_kwargs import EngineKwargs
@@ -146,7 +146,11 @@ class Settings(BaseSettings):
                             "CPU, else the model's dtype), or on CPU fp32 (float32 models), bf16, fp8_e4m3, "
                             "int8 or u8 (1 byte: "
                             "1.8-1.9x the tokens in the same kv_cache_memory_bytes).")
-    # Literal[QUANTIZATIONS]: the tuple's values, one definition; pydantic reads it, mypy cannot
+    # Literal[...]: the tuple's values, one definition; pydantic reads it, mypy cannot
+    float32_matmul_precision: Literal[FLOAT32_MATMUL_PRECISIONS] = Field(  # type: ignore[valid-type]
+        "auto", description="float32 GEMMs on a CPU with AMX: highest (IEEE float32), high (each float32 as "
+                            "two bf16s, three products on AMX tiles: ~4e-6 relative error, 2-3x faster), "
+                            "auto (high for embeddings, highest for generation).")
     quantization: Literal[QUANTIZATIONS] | None = Field(  # type: ignore[valid-type]
         None, description="int8: per-channel int8 weights, dynamic int8 GEMMs (CPU); gguf: a .gguf model's "
                           "own Q4_0 / Q4_1 / Q8_0 blocks (CPU); unset: the dtype's.")
@@ -272,6 +276,7 @@ class Settings(BaseSettings):
             "device": self.device,
             "dtype": self.dtype,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "float32_matmul_precision": self.float32_matmul_precision,
             "quantization": self.quantization,
             "adaptive_threads": self.adaptive_threads,
             "max_num_seqs": self.max_num_seqs,

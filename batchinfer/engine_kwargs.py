@@ -18,6 +18,7 @@ class EngineKwargs(TypedDict, total=False):
     device: str
     dtype: str
     kv_cache_dtype: str
+    float32_matmul_precision: str
     quantization: str | None
     adaptive_threads: bool
     max_num_seqs: int

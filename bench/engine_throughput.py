@@ -8,7 +8,8 @@ actually produced are counted (bench/chat_workload.py). Runs, one after another:
   2. transformers continuous batching (`init_continuous_batching` / add_request, the engine behind
      `generate_batch`, each request with its own max_new_tokens), fp32,
   3. batchinfer (batchinfer.engine.llm.LLM) at fp32, bf16 and int8 (a precision the engine cannot run
-     yet is skipped with the reason),
+     yet is skipped with the reason); on an AMX CPU one more fp32 row under float32_matmul_precision=high
+     (bf16x3 GEMMs; generation's default there is highest), reported after the table (--skip-fp32-high),
   4. with --peers-python (the `make bench-peers` venv): OpenVINO GenAI's ContinuousBatchingPipeline at the
      same precisions, in a child process of that venv (bench/openvino_peer.py; IR exported once, cached).
 For each: tok/s, tokens per CPU-second (the process's user + system time over the generation; the peer's
@@ -52,8 +53,10 @@ from chat_workload import (  # noqa: E402
 from openvino_peer import PEER_NAME, PEER_ROWS, ensure_export, run_peer  # noqa: E402
 
 from batchinfer.engine.config import KV_CACHE_DTYPES  # noqa: E402
+from batchinfer.engine.native.cpu_features import cpu_has_amx_bf16  # noqa: E402
 
 TARGET_VS_PEER = 1.2  # issue 21: >= 1.2x OpenVINO GenAI at each precision
+FP32_HIGH = "fp32 high"  # the fp32 row under float32_matmul_precision=high (bf16x3 on AMX tiles)
 TARGET_VS_TRANSFORMERS = 8.0  # issue 21: >= 8x transformers generate_batch
 TRANSFORMERS_CB = "transformers generate_batch (continuous batching)"
 
@@ -150,7 +153,7 @@ def run_continuous(model, prompts, budgets, eos: frozenset[int] | None) -> Resul
 
 
 def run_ours(prompts, budgets, precision: str, args, eos: frozenset[int],
-             kv_cache_dtype: str = "auto") -> Result | str:
+             kv_cache_dtype: str = "auto", matmul_precision: str = "auto") -> Result | str:
     """batchinfer's engine on the same token ids; the Result, or why the precision was skipped."""
     from batchinfer.engine.llm import LLM
     from batchinfer.engine.sampling_params import SamplingParams
@@ -158,6 +161,8 @@ def run_ours(prompts, budgets, precision: str, args, eos: frozenset[int],
     options, skipped = engine_options(precision, args.int8_dtype, kv_cache_dtype)
     if skipped:
         return skipped
+    if matmul_precision != "auto":
+        options["float32_matmul_precision"] = matmul_precision
     try:
         llm = LLM(MODEL_ALIAS, max_num_seqs=args.max_num_seqs, device="cpu", **options)
     except (ValueError, NotImplementedError) as exc:
@@ -292,6 +297,8 @@ def main() -> None:
     parser.add_argument("--peers-python",
                         help="python of the peers venv (make bench-peers): adds OpenVINO GenAI")
     parser.add_argument("--skip-static", action="store_true")
+    parser.add_argument("--skip-fp32-high", action="store_true",
+                        help="on an AMX CPU, skip the extra fp32 row under float32_matmul_precision=high")
     parser.add_argument("--skip-continuous", action="store_true")
     args = parser.parse_args()
     if args.min_tokens > args.max_tokens:
@@ -338,6 +345,12 @@ def main() -> None:
             result = ours[key]
             print(result.line() if isinstance(result, Result)
                   else f"  batchinfer [{key}]: skipped: {result}")
+    if not args.skip_fp32_high and "fp32" in (args.precision or PRECISIONS) and cpu_has_amx_bf16():
+        # generation's opt-in on AMX CPUs (auto is highest there): reported beside the table, not in it
+        ours[FP32_HIGH] = run_ours(prompts, budgets, "fp32", args, model_eos, matmul_precision="high")
+        result = ours[FP32_HIGH]
+        print(result.line() if isinstance(result, Result)
+              else f"  batchinfer [{FP32_HIGH}]: skipped: {result}")
     peers: dict[str, Result | str] = {}
     if args.peers_python:
         peers = run_peers(args, path, prompts, budgets, model_eos)
@@ -358,6 +371,17 @@ def main() -> None:
             print(f"greedy agreement, batchinfer fp32 vs OpenVINO fp32: "
                   f"{agreement(fp32.outputs, peers['fp32'].outputs)}")
     report(args, ours, peers, transformers, len(prompts))
+    high = ours.get(FP32_HIGH)
+    if isinstance(high, Result):
+        cb = next((r for r in transformers if r.name == TRANSFORMERS_CB), None)
+        ratios = (("OpenVINO fp32", _ratio(high, peers.get("fp32"))), (TRANSFORMERS_CB, _ratio(high, cb)),
+                  ("batchinfer fp32 (highest)", _ratio(high, ours.get("fp32"))))
+        print(f"\nbatchinfer {FP32_HIGH}: {_cell(high)} tok/s (tok/CPU-s); "
+              + "; ".join(f"{ratio:.2f}x {name}" for name, ratio in ratios if ratio is not None))
+        for name, other in (("transformers", cb), ("batchinfer fp32 (highest)", ours.get("fp32"))):
+            if isinstance(other, Result):
+                print(f"greedy agreement, batchinfer {FP32_HIGH} vs {name}: "
+                      f"{agreement(high.outputs, other.outputs)}")
 
 
 def count_params(path) -> int:

@@ -4,7 +4,9 @@ A decode step multiplies a few rows (one per sequence) by every weight of the mo
 come from memory, not cache: this runs the 121 GEMMs of a SmolLM2-135M-shaped model (30 layers of qkv, o,
 gate_up, down, then the LM head; random weights, fp32 or bf16) as one "step" at each row count, through
 weight_packing.PanelLinear (csrc/panel_gemm.cpp) and OneDnnLinear, alternating, and prints the median
-step time, GFLOP/s and weight GB/s of each and their ratio. The panel GEMM needs an AVX2 + FMA build.
+step time, GFLOP/s and weight GB/s of each and their ratio. The panel GEMM needs an AVX2 + FMA build. On a
+CPU with AMX, float32 runs a third kernel: amx_linear.AmxLinear (csrc/amx_gemm.cpp, bf16x3: what
+float32_matmul_precision "high" runs), and each kernel's largest relative error against float64 is printed.
 
     .venv/bin/python bench/panel_gemm.py --rows 1 8 32 96 --dtype float32
 """
@@ -25,7 +27,7 @@ from collections.abc import Callable, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 
-from batchinfer.engine.layers import weight_packing  # noqa: E402
+from batchinfer.engine.layers import amx_linear, weight_packing  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30  # SmolLM2-135M
 
@@ -63,24 +65,45 @@ def main() -> None:
     onednn = [weight_packing.onednn_linear(w, None) for w in weights]
     if any(kernel is None for kernel in onednn):
         raise SystemExit(f"oneDNN does not run {args.dtype} GEMMs here")
-    onednn_kernels = [k for k in onednn if k is not None]
+    kernels: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
+        "panel": list(panel), "onednn": [k for k in onednn if k is not None]}
+    amx_ext = amx_linear.amx_extension() if dtype == torch.float32 else None
+    if amx_ext is not None:
+        kernels["amx"] = [amx_linear.AmxLinear(w, None, amx_ext) for w in weights]
+        print_errors(weights[:4], kernels)
     flops_per_row = 2 * sum(w.numel() for w in weights)
     weight_bytes = sum(p.panels.numel() * p.panels.element_size() for p in panel)
     print(f"{torch.get_num_threads()} threads, {args.dtype}, {len(weights)} GEMMs, "
           f"{weight_bytes / 1e6:.0f} MB of panels per step")
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k).to(dtype) for k in set(widths)}
-        times: dict[str, list[float]] = {"panel": [], "onednn": []}
-        for _ in range(args.repeats):  # alternating, so a noisy moment hits both
-            times["panel"].append(step_seconds(panel, inputs, widths))
-            times["onednn"].append(step_seconds(onednn_kernels, inputs, widths))
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for _ in range(args.repeats):  # alternating, so a noisy moment hits each
+            for name, step in kernels.items():
+                times[name].append(step_seconds(step, inputs, widths))
         line = [f"rows {rows:4d}"]
         for name, seconds in times.items():
             t = statistics.median(seconds)
             line.append(f"{name} {t * 1e3:7.1f} ms ({flops_per_row * rows / t / 1e9:6.1f} GFLOP/s, "
                         f"{weight_bytes / t / 1e9:5.1f} GB/s)")
-        ratio = statistics.median(times["onednn"]) / statistics.median(times["panel"])
-        print("  ".join(line) + f"  panel {ratio:.2f}x oneDNN", flush=True)
+        onednn_s = statistics.median(times["onednn"])
+        ratios = [f"{name} {onednn_s / statistics.median(seconds):.2f}x oneDNN"
+                  for name, seconds in times.items() if name != "onednn"]
+        print("  ".join(line + ratios), flush=True)
+
+
+def print_errors(weights: Sequence[torch.Tensor],
+                 kernels: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]) -> None:
+    """Each kernel's largest error over a layer's GEMMs at 64 rows, relative to the float64 output's max."""
+    gen = torch.Generator().manual_seed(1)
+    worst = dict.fromkeys(kernels, 0.0)
+    for i, weight in enumerate(weights):
+        x = torch.randn(64, weight.shape[1], generator=gen)
+        exact = x.double() @ weight.double().T
+        for name, step in kernels.items():
+            error = (step[i](x).double() - exact).abs().max() / exact.abs().max()
+            worst[name] = max(worst[name], float(error))
+    print("largest relative error vs float64: " + ", ".join(f"{n} {e:.1e}" for n, e in worst.items()))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ instead of the native kernel, over the configuration's cache: u8 codes under bfl
 +pystep (the Python layer loop instead of issue 34's native step, csrc/decoder_stack.cpp),
 +kv=<kv_cache_dtype> (the KV cache: int8, u8, fp8_e4m3, bf16, fp32; default auto, u8 under bfloat16 or int8
 weights on CPU),
-+int8=<engine> (int8's GEMM: fbgemm or onednn; default auto, oneDNN's on AMX CPUs).
++int8=<engine> (int8's GEMM: fbgemm or onednn; default auto, oneDNN's on AMX CPUs),
++high (float32_matmul_precision "high": float32 GEMMs in bf16x3 on AMX tiles; default highest, as generation's
+auto).
 --profile adds a torch.profiler table of one run of each configuration, grouped into GEMMs, attention,
 elementwise/norm/rotary and the rest.
 
@@ -113,7 +115,8 @@ def main() -> None:
         os.environ[weight_packing.INT8_GEMM_ENV] = next(
             (flag.removeprefix("int8=") for flag in flags if flag.startswith("int8=")), "auto")
         llms[entry] = LLM(args.model, dtype=dtype, device="cpu", quantization=quant or None,
-                          kv_cache_dtype=kv_cache_dtype)
+                          kv_cache_dtype=kv_cache_dtype,
+                          float32_matmul_precision="high" if "high" in flags else "highest")
         if "sdpa" in flags:
             llms[entry].engine.model_runner.native_decode = False
         cpu_attention._FUSED_OFF = "nofuse" in flags

@@ -73,6 +73,9 @@ class ModelIdentity:
     # the resolved KV cache (EngineConfig.resolved_kv_cache_dtype: u8 under bfloat16 or int8 weights on
     # CPU): a quantized cache changes outputs as the weights' dtype does
     kv_cache_dtype: str = "auto"
+    # float32 GEMMs (EngineConfig.resolved_float32_matmul_precision): "highest" (IEEE), "auto" (bf16x3 for
+    # embeddings, which are never cached; generation IEEE) or "high" (bf16x3 for all: keyed, outputs move)
+    float32_matmul_precision: str = "highest"
 
     def key_fields(self) -> dict[str, object]:
         """Everything of the identity the cache key covers (with the engine's numerics version)."""
@@ -82,6 +85,8 @@ class ModelIdentity:
             "quantization": self.quantization}
         if self._quantized_kv_cache():
             fields["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.float32_matmul_precision == "high":  # "auto" computes cacheable results as "highest" does
+            fields["float32_matmul_precision"] = self.float32_matmul_precision
         return fields
 
     def provenance(self, *, seed: int | None, source: ResultSource, computed_in: int) -> Provenance:
@@ -95,6 +100,8 @@ class ModelIdentity:
             "computed_in": f"batch_{computed_in}"}
         if self._quantized_kv_cache():  # the estimate's forecast reads it back (from_provenance)
             provenance["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.float32_matmul_precision != "highest":  # named only then, as kv_cache_dtype
+            provenance["float32_matmul_precision"] = self.float32_matmul_precision
         return provenance
 
     @classmethod
@@ -103,7 +110,8 @@ class ModelIdentity:
         adapter = provenance.get("adapter")
         return cls(provenance["model"], provenance["model_fingerprint"], provenance["dtype"],
                    provenance.get("quantization"), adapter["name"] if adapter else None,
-                   adapter.get("fingerprint") if adapter else None, provenance.get("kv_cache_dtype", "auto"))
+                   adapter.get("fingerprint") if adapter else None, provenance.get("kv_cache_dtype", "auto"),
+                   provenance.get("float32_matmul_precision", "highest"))
 
     def _quantized_kv_cache(self) -> bool:
         # named only then: the keys and provenance of results computed before it existed stay the same
@@ -129,7 +137,7 @@ def model_identity(config: EngineConfig, *, served_model: str, adapter: tuple[st
     if adapter is not None:
         name, adapter_fp = adapter[0], fingerprint_dir(Path(adapter[1]), cache_dir=cache)
     return ModelIdentity(served_model, fingerprint, dtype, config.quantization, name, adapter_fp,
-                         config.resolved_kv_cache_dtype())
+                         config.resolved_kv_cache_dtype(), config.resolved_float32_matmul_precision())
 
 
 def runner_identity(config: EngineConfig, served: str, *, model: str,

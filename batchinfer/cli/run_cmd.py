@@ -24,7 +24,11 @@ from typing import TYPE_CHECKING
 import click
 import orjson
 
-from batchinfer.cli.engine_flags import engine_overrides, kv_cache_dtype_option
+from batchinfer.cli.engine_flags import (
+    engine_overrides,
+    float32_matmul_precision_option,
+    kv_cache_dtype_option,
+)
 from batchinfer.cli.jobs import _metadata, _print_batch, _with_submit_options, exit_code_for
 from batchinfer.cli.lora_options import check_adapters, lora_options, with_lora_settings
 from batchinfer.cli.output import EXIT_FAILED, dumps, fail, input_file, json_option
@@ -53,6 +57,7 @@ logger = logging.getLogger("batchinfer.cli")
 @click.option("--dtype", default=None, help="auto, float32, bfloat16, float16 (vLLM's half, float too; "
               "default: settings.dtype).")
 @kv_cache_dtype_option
+@float32_matmul_precision_option
 @click.option("--max-model-len", type=click.IntRange(min=1), default=None,
               help="Context length (default: the model's).")
 @click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=None,
@@ -70,7 +75,8 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
         model: str | None, shard_size: int | None, priority: int, metadata: tuple[str, ...],
         idempotency_key: str | None, on_invalid: str, completion_window: str | None,
         max_total_tokens: int | None, result_cache: str | None, device: str | None,
-        dtype: str | None, kv_cache_dtype: str | None, max_model_len: int | None,
+        dtype: str | None, kv_cache_dtype: str | None, float32_matmul_precision: str | None,
+        max_model_len: int | None,
         tensor_parallel_size: int | None, pipeline_parallel_size: int | None, quantization: str | None,
         served_model_name: tuple[str, ...],
         lora_modules: tuple[str, ...], max_loras: int | None, max_lora_rank: int | None,
@@ -94,6 +100,7 @@ def run(file: Path | None, input_path: Path | None, output: Path, errors: Path |
                                   max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
     model = model or settings.default_model
     overrides = engine_overrides(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                 float32_matmul_precision=float32_matmul_precision,
                                  max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                                  pipeline_parallel_size=pipeline_parallel_size, quantization=quantization)
     if not as_json:

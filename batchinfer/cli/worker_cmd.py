@@ -15,7 +15,11 @@ from typing import TYPE_CHECKING
 import click
 import orjson
 
-from batchinfer.cli.engine_flags import engine_overrides, kv_cache_dtype_option
+from batchinfer.cli.engine_flags import (
+    engine_overrides,
+    float32_matmul_precision_option,
+    kv_cache_dtype_option,
+)
 from batchinfer.cli.lora_options import check_adapters, lora_options, with_lora_settings
 from batchinfer.cli.output import emit, fail, json_option, stdout_to_stderr
 from batchinfer.config import get_settings
@@ -40,6 +44,7 @@ def _setup_logging(level: str) -> None:
               help="Weights and activations (default: settings.dtype; auto: bf16 where the CPU has it, "
                    "float32 under int8 weights).")
 @kv_cache_dtype_option
+@float32_matmul_precision_option
 @click.option("--quantization", type=click.Choice(list(QUANTIZATIONS)), default=None,
               help="int8: int8 weights and dynamic int8 GEMMs on CPU; gguf: a .gguf model's own "
                    "Q4_0 / Q4_1 / Q8_0 blocks on CPU (default: settings.quantization).")
@@ -53,7 +58,7 @@ def _setup_logging(level: str) -> None:
 @click.option("--log-level", default="info", show_default=True)
 @json_option("Print the start line as one JSON object on stdout (model, mode, queue, pid).")
 def worker(model: str | None, device: str | None, tensor_parallel_size: int | None, dtype: str | None,
-           kv_cache_dtype: str | None, quantization: str | None,
+           kv_cache_dtype: str | None, float32_matmul_precision: str | None, quantization: str | None,
            pipeline_parallel_size: int | None, distributed_executor_backend: str | None,
            metrics_port: int | None, lora_modules: tuple[str, ...], max_loras: int | None,
            max_lora_rank: int | None, max_cpu_loras: int | None, log_level: str, as_json: bool) -> None:
@@ -68,6 +73,7 @@ def worker(model: str | None, device: str | None, tensor_parallel_size: int | No
     LocalBackend(settings)  # migrates an embedded SQLite database on first use
     overrides = engine_overrides(device=device, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                                  kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                                 float32_matmul_precision=float32_matmul_precision,
                                  pipeline_parallel_size=pipeline_parallel_size,
                                  distributed_executor_backend=distributed_executor_backend)
     check_adapters(settings, model, {**settings.engine_kwargs(), **overrides})

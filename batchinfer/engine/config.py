@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 # EngineConfig.quantization values besides None: int8 weights (fbgemm, oneDNN's on AMX), or a GGUF model's
 # own Q4_0 / Q4_1 / Q8_0 blocks; each format's loader, packer and kernel live in engine/layers/quantization.py
 from batchinfer.engine.layers.quantization import quantization_format, splitting_formats
-from batchinfer.engine.native.cpu_features import cpu_has_native_bf16  # tests import it from here too
+
+# tests import cpu_has_native_bf16 from here too
+from batchinfer.engine.native.cpu_features import cpu_has_amx_bf16, cpu_has_native_bf16
 from batchinfer.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
@@ -96,6 +98,13 @@ MODEL_DTYPE_KV_CACHES = {"fp32": "float32", "bf16": "bfloat16"}
 # Resolved from the config alone, so every rank and the result-cache key agree (without the native kernels
 # the torch path reads it, slower).
 KV_CACHE_AUTO_CPU_QUANTIZED = "u8"
+# How float32 GEMMs run on a CPU with AMX bf16 tiles (torch.set_float32_matmul_precision's names):
+# "highest": IEEE float32 (panel GEMM / oneDNN); "high": each float32 as the sum of two bf16s, three bf16
+# products summed in float32 on AMX (layers/amx_linear.py: ~4e-6 relative error per output against
+# float32's ~5e-7, 2-3x the GEMM speed from 32 rows); "auto": high for embeddings (judged by cosine: every
+# one >= 0.99999 against IEEE), highest for generation (token-exact with transformers as documented). Where
+# no AMX kernel runs (no AMX, not float32, int8 / gguf weights, CUDA) every setting is "highest".
+FLOAT32_MATMUL_PRECISIONS = ("auto", "highest", "high")
 
 
 @dataclass
@@ -114,6 +123,8 @@ class EngineConfig:
     # KV cache element type: "auto" (resolved_kv_cache_dtype) or KV_CACHE_DTYPES' formats (CPU only)
     kv_cache_dtype: str = "auto"
     quantization: str | None = None  # None, "int8" (int8 weights, dynamic GEMMs), "gguf" (a .gguf's blocks)
+    # float32 GEMMs on AMX CPUs: FLOAT32_MATMUL_PRECISIONS (resolved_float32_matmul_precision)
+    float32_matmul_precision: str = "auto"
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -169,6 +180,9 @@ class EngineConfig:
                 f"quantization={self.quantization!r} runs on CPU only; got device {self.device!r}"
             )
         self._check_kv_cache_dtype()
+        if self.float32_matmul_precision not in FLOAT32_MATMUL_PRECISIONS:
+            raise ValueError("float32_matmul_precision: must be one of "
+                             f"{', '.join(FLOAT32_MATMUL_PRECISIONS)}; got {self.float32_matmul_precision!r}")
         ranks = self.tensor_parallel_size * self.pipeline_parallel_size
         if not quantization.splits_across_ranks and ranks > 1:
             raise ValueError(f"quantization={quantization.name!r} runs with tensor_parallel_size=1 and "
@@ -251,6 +265,19 @@ class EngineConfig:
                 and not self.resolved_device().startswith("cuda")):
             return KV_CACHE_AUTO_CPU_QUANTIZED
         return self.kv_cache_dtype
+
+    def resolved_float32_matmul_precision(self) -> str:
+        """float32_matmul_precision where the AMX kernel can run it (a float32 model with dense weights on a
+        CPU with AMX bf16), else "highest"; "auto" needs one rank too (ranks embed outside ModelRunner.embed).
+        """
+        if (self.float32_matmul_precision == "highest" or self.resolved_dtype_name() != "float32"
+                or self.quantization is not None or not cpu_has_amx_bf16()
+                or self.resolved_device().startswith("cuda")):
+            return "highest"
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.float32_matmul_precision == "auto" and ranks > 1:
+            return "highest"
+        return self.float32_matmul_precision
 
     def resolved_dtype_name(self) -> str:
         """resolved_dtype's name ("bfloat16", ...): torch is imported only to resolve device "auto".

@@ -116,6 +116,7 @@ class Provenance(TypedDict):
     result_cache: ResultSource
     computed_in: str  # "batch_<job id>"
     kv_cache_dtype: NotRequired[str]  # only when not "auto": rows written before it stay valid
+    float32_matmul_precision: NotRequired[str]  # only when not "highest": bf16x3 on AMX ("auto", "high")
 
 
 @dataclass(frozen=True)

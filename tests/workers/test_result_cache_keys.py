@@ -46,6 +46,7 @@ SAMPLING_CHANGES: dict[str, Any] = {
 IDENTITY_CHANGES: dict[str, Any] = {
     "model": "other-name", "model_fingerprint": "e" * 64, "dtype": "bfloat16", "quantization": "int8",
     "adapter": "sql-lora", "adapter_fingerprint": "d" * 64, "kv_cache_dtype": "int8",
+    "float32_matmul_precision": "high",
 }
 REQUEST_CHANGES: dict[str, dict[str, Any]] = {
     "endpoint": {"endpoint": "completions"},
@@ -96,9 +97,23 @@ def test_provenance_names_a_quantized_kv_cache_and_only_then() -> None:
     assert int8.get("kv_cache_dtype") == "int8"
 
 
+def test_float32_matmul_precision_keys_only_what_changes_cacheable_outputs() -> None:
+    """"auto" runs only embeddings (never cached) in bf16x3: its generation keys are "highest"'s; "high"
+    moves generation's outputs, so it keys apart; both are named in provenance, "highest" is not."""
+    auto = dataclasses.replace(IDENTITY, float32_matmul_precision="auto")
+    high = dataclasses.replace(IDENTITY, float32_matmul_precision="high")
+    assert _key(auto) == _key() != _key(high)
+    assert "float32_matmul_precision" not in IDENTITY.provenance(seed=None, source="miss", computed_in=1)
+    for identity in (auto, high):
+        provenance = identity.provenance(seed=None, source="miss", computed_in=1)
+        assert provenance.get("float32_matmul_precision") == identity.float32_matmul_precision
+
+
 @pytest.mark.parametrize("identity", [
     IDENTITY,
     dataclasses.replace(IDENTITY, adapter="a", adapter_fingerprint="a" * 64, kv_cache_dtype="int8"),
+    dataclasses.replace(IDENTITY, float32_matmul_precision="auto"),
+    dataclasses.replace(IDENTITY, float32_matmul_precision="high"),
 ])
 def test_from_provenance_is_the_inverse_of_provenance(identity: ModelIdentity) -> None:
     provenance = identity.provenance(seed=None, source="miss", computed_in=1)

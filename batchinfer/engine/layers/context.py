@@ -1,10 +1,13 @@
 """The per-step attention context: batch layout tensors the model runner builds once per step and every
 attention layer reads (set before the forward, reset after), so the model's forward signature stays
-(input_ids, positions) as in a plain transformer.
+(input_ids, positions) as in a plain transformer. Beside it, the step's float32 matmul precision
+(float32_matmul_high), which the linear layers read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,6 +44,7 @@ class AttentionContext:
 
 
 _CONTEXT: AttentionContext | None = None
+_FLOAT32_MATMUL_HIGH = False  # the running forward's linears run their bf16x3 kernel (LinearBase.packed_high)
 
 
 def set_context(context: AttentionContext | None) -> None:
@@ -59,3 +63,19 @@ def get_context() -> AttentionContext:
     if _CONTEXT is None:
         raise RuntimeError("no attention context set: run the model through ModelRunner.execute_model")
     return _CONTEXT
+
+
+@contextmanager
+def float32_matmul_high() -> Iterator[None]:
+    """Run the block's forwards with float32_matmul_precision "high" (ModelRunner.embed under "auto")."""
+    global _FLOAT32_MATMUL_HIGH
+    previous, _FLOAT32_MATMUL_HIGH = _FLOAT32_MATMUL_HIGH, True
+    try:
+        yield
+    finally:
+        _FLOAT32_MATMUL_HIGH = previous
+
+
+def float32_matmul_is_high() -> bool:
+    """True inside float32_matmul_high: a linear with a bf16x3 kernel runs it."""
+    return _FLOAT32_MATMUL_HIGH

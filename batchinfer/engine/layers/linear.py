@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchinfer.engine.layers.context import current_lora_batch
+from batchinfer.engine.layers.context import current_lora_batch, float32_matmul_is_high
 from batchinfer.engine.layers.partition import divide, local_kv_heads
 from batchinfer.engine.parallel.distributed import all_reduce, tp_rank, tp_world_size
 
@@ -80,6 +80,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         # Set after loading by weight_packing.pack_linears (oneDNN / int8 kernel, bias included).
         self.packed: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # The bf16x3 kernel steps under float32_matmul_high run (amx_linear.with_high_precision); None: none
+        self.packed_high: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def effective_bias(self) -> torch.Tensor | None:
         """The bias this rank adds (a row-parallel layer adds it on rank 0 only, so the sum stays right)."""
@@ -101,7 +103,9 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the (local slice of the) linear map (plus the step's LoRA deltas on an adapted module)."""
-        out = self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.effective_bias())
+        high = self.packed_high is not None and float32_matmul_is_high()
+        kernel = self.packed_high if high else self.packed
+        out = kernel(x) if kernel is not None else F.linear(x, self.weight, self.effective_bias())
         if self.lora_key is not None:
             lora = current_lora_batch()
             if lora is not None:

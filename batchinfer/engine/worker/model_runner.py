@@ -30,9 +30,10 @@ import torch
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.layers import cpu_attention
+from batchinfer.engine.layers.amx_linear import with_high_precision
 from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.attention_plan import build_torch_plan
-from batchinfer.engine.layers.context import AttentionContext, set_context
+from batchinfer.engine.layers.context import AttentionContext, float32_matmul_high, set_context
 from batchinfer.engine.layers.kv_quant import kv_cache_format
 from batchinfer.engine.layers.quantization import pack_weights, quantization_format
 from batchinfer.engine.layers.quantized_attention import QuantizedKV
@@ -134,6 +135,11 @@ class ModelRunner:
         pack_weights(self.model, self.device, config.quantization,  # CPU: oneDNN / int8 / GGUF 4-bit kernels
                      model_path=self.model_path, max_model_len=self.max_model_len,
                      gguf_path=self.gguf_path)
+        # float32 GEMMs on AMX (layers/amx_linear.py): "high" runs every step's in bf16x3; "auto" its
+        # embeddings only (embed() gives the layers that kernel on first use)
+        self.float32_matmul_precision = config.resolved_float32_matmul_precision()
+        if self.float32_matmul_precision == "high":
+            with_high_precision(self.model, replace=True)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.lora_manager = None  # adapters' weights and each step's LoRABatch, when LoRA is enabled
         if config.enable_lora:
@@ -361,8 +367,13 @@ class ModelRunner:
 
         Packed cache-free forwards of up to step_tokens tokens (embed_forward.py; max_num_batched_tokens,
         on a CPU step_budget.py's cut): the KV cache, block tables and prefix cache are not touched.
+        float32_matmul_precision "auto" on an AMX CPU runs their float32 GEMMs in bf16x3 (amx_linear.py).
         """
-        return embed_batched(self.model, token_id_lists, self.device, self.step_tokens)
+        if self.float32_matmul_precision != "auto":
+            return embed_batched(self.model, token_id_lists, self.device, self.step_tokens)
+        with_high_precision(self.model)  # once: layers that have their kernel are skipped
+        with float32_matmul_high():
+            return embed_batched(self.model, token_id_lists, self.device, self.step_tokens)
 
 
 def _last_positions(last: torch.Tensor, counts: Sequence[int], q_lens: list[int]) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from batchinfer.engine.layers import cpu_attention
+from batchinfer.engine.layers.amx_linear import AmxLinear
 from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.context import AttentionContext
 from batchinfer.engine.layers.linear import LinearBase
@@ -48,6 +49,7 @@ class NativeLinearKind(IntEnum):
     ONEDNN = 1  # oneDNN's prepacked weight, mkldnn::_linear_pointwise
     INT8 = 2  # the packed int8 weight (fbgemm's or oneDNN's), quantized::linear_dynamic
     PANEL = 3  # the panels of csrc/panel_gemm.cpp, panel_linear
+    AMX = 4  # the bf16 halves of csrc/amx_gemm.cpp, amx_linear (float32_matmul_precision high)
 
 
 class DecoderStackHandle(Protocol):
@@ -78,6 +80,8 @@ def linear_spec(module: LinearBase) -> LinearSpec | None:
     packed = module.packed
     if isinstance(packed, PanelLinear):
         return (NativeLinearKind.PANEL, packed.panels, packed.bias, None, False, False, packed.out_features)
+    if isinstance(packed, AmxLinear):
+        return (NativeLinearKind.AMX, packed.halves, packed.bias, None, False, False, packed.out_features)
     if isinstance(packed, OneDnnLinear):
         return (NativeLinearKind.ONEDNN, packed.packed, packed.bias, None, False, False, 0)
     if isinstance(packed, Int8Linear):

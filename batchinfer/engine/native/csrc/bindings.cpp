@@ -23,5 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_gemm_built", &panel_gemm_built, "panel_gemm_built");
   m.def("pack_panels", torch::wrap_pybind_function(pack_panels), "pack_panels");
   m.def("panel_linear", torch::wrap_pybind_function(panel_linear), "panel_linear");
+  m.def("amx_gemm_built", &amx_gemm_built, "amx_gemm_built");
+  m.def("pack_amx_weight", torch::wrap_pybind_function(pack_amx_weight), "pack_amx_weight");
+  m.def("amx_linear", torch::wrap_pybind_function(amx_linear), "amx_linear");
   bind_decoder_stack(m);
 }

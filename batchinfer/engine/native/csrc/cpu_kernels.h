@@ -55,3 +55,9 @@ bool panel_gemm_built();  // compiled with AVX2 + FMA (panel_linear runs)
 torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias,
                            int64_t out_features);
+
+// amx_gemm.cpp
+bool amx_gemm_built();  // compiled with AMX bf16 and granted the tile state (amx_linear runs)
+torch::Tensor pack_amx_weight(torch::Tensor weight);
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                         int64_t out_features);

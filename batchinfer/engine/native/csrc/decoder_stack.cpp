@@ -24,14 +24,16 @@ namespace {
 constexpr double kTinyRowMax = 1e-12;  // weight_packing.TINY_ROW_MAX: an all-zero row stays all zero
 
 // How a linear's weight is packed (weight_packing.py's kernels; the values are NativeLinearKind there).
-enum LinearKind : int64_t { kAtenLinear = 0, kOneDnnLinear = 1, kInt8Linear = 2, kPanelLinear = 3 };
+enum LinearKind : int64_t {
+  kAtenLinear = 0, kOneDnnLinear = 1, kInt8Linear = 2, kPanelLinear = 3, kAmxLinear = 4
+};
 
 struct NativeLinear {
   int64_t kind = kAtenLinear;
   torch::Tensor weight;                // aten: the dense [N, K] weight; oneDNN: the prepacked weight (float32
                                        // under bf16 activations where oneDNN has no bf16 GEMM); panel: the
-                                       // [P, K, 16] panels of pack_panels
-  int64_t out_features = 0;            // panel: N (the last panel may be padded)
+                                       // [P, K, 16] panels of pack_panels; amx: pack_amx_weight's halves
+  int64_t out_features = 0;            // panel / amx: N (the last panel or tile may be padded)
   c10::optional<torch::Tensor> bias;   // aten / oneDNN: in the GEMM; int8 per token: added after rescaling
   c10::IValue packed;                  // int8: fbgemm's / oneDNN's LinearPackedParamsBase (bias inside, per
                                        // tensor)
@@ -41,6 +43,7 @@ struct NativeLinear {
 
 torch::Tensor run_linear(const NativeLinear& l, const torch::Tensor& x) {
   if (l.kind == kPanelLinear) return panel_linear(x, l.weight, l.bias, l.out_features);
+  if (l.kind == kAmxLinear) return amx_linear(x, l.weight, l.bias, l.out_features);
   if (l.kind == kOneDnnLinear) {
     static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     // A float32 weight under bf16 activations: bf16 where oneDNN has no bf16 GEMM (weight_packing's
@@ -77,7 +80,8 @@ torch::Tensor run_linear(const NativeLinear& l, const torch::Tensor& x) {
 
 NativeLinear make_linear(int64_t kind, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                          py::object packed, bool per_token, bool reduce_range, int64_t out_features) {
-  TORCH_CHECK(kind == kAtenLinear || kind == kOneDnnLinear || kind == kInt8Linear || kind == kPanelLinear,
+  TORCH_CHECK(kind == kAtenLinear || kind == kOneDnnLinear || kind == kInt8Linear || kind == kPanelLinear ||
+                  kind == kAmxLinear,
               "unknown linear kind");
   NativeLinear l;
   l.kind = kind;

@@ -1,0 +1,110 @@
+"""float32 linears on AMX's bf16 tiles, each float32 taken as the sum of two bfloat16s (bf16x3).
+
+Why: on a CPU with AMX a float32 GEMM runs on AVX-512 FMAs at ~0.35-0.4 TFLOP/s (2 cores), while AMX's
+bf16 tiles run ~8x that. csrc/amx_gemm.cpp splits x and W into high halves and residues and sums three
+bf16 products in float32 (x W = xh Wh + xh Wl + xl Wh): 2.1-2.9x float32's GEMM from 32 rows up on
+SmolLM2's shapes, at a relative error of ~4e-6 per output against float32's ~5e-7 (bench/amx_gemm.py).
+This is what torch.set_float32_matmul_precision("high") names "the sum of two bfloat16 numbers"; the
+engine's knob is EngineConfig.float32_matmul_precision (engine/config.py says which steps "auto" runs so).
+
+AmxLinear packs a weight once (pack_amx_weight: 4 bytes per parameter, as float32); with_high_precision
+gives a packed model's float32 linears that kernel beside their IEEE one (LinearBase.packed_high, from the
+panel GEMM's lossless panels or the dense weight), which steps run under a "high" context.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from batchinfer.engine.layers import cpu_attention
+from batchinfer.engine.native.cpu_features import cpu_has_amx_bf16
+
+if TYPE_CHECKING:
+    from batchinfer.engine.layers.weight_packing import LinearFn
+
+
+class AmxLinear:
+    """x -> x @ weight.T + bias in bf16x3 on AMX tiles (csrc/amx_gemm.cpp) over the weight packed once.
+
+    float32 in and out. A class so that worker/native_step.py can hand the halves to the C++ decoder stack.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, extension: Any) -> None:
+        self.halves = extension.pack_amx_weight(weight.detach().float().contiguous())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.out_features = int(weight.shape[0])
+        self._extension = extension
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # the engine's activations are [T, features]; keep any other caller working
+            return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        return self._extension.amx_linear(x, self.halves, self.bias, self.out_features)
+
+
+def amx_extension() -> Any:
+    """The native extension where its AMX GEMM is built and the kernel granted AMX's tile state, else None."""
+    if not cpu_has_amx_bf16():
+        return None
+    ext = cpu_attention.load()
+    return ext if ext is not None and hasattr(ext, "amx_gemm_built") and ext.amx_gemm_built() else None
+
+
+def amx_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:
+    """x -> x @ weight.T + bias in bf16x3 (AmxLinear) for a float32 weight, or None where it cannot run."""
+    ext = amx_extension()
+    if ext is None or weight.dtype != torch.float32:
+        return None
+    return AmxLinear(weight, bias, ext)
+
+
+def dense_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A packed float32 linear's weight and bias, exactly: kept dense, or unpacked from its panels (None:
+    neither, e.g. oneDNN's opaque layout or another dtype)."""
+    from batchinfer.engine.layers.linear import LinearBase
+    from batchinfer.engine.layers.weight_packing import PanelLinear
+
+    packed = getattr(module, "packed", None)
+    if isinstance(packed, PanelLinear) and packed.panels.dtype == torch.float32:
+        panels = packed.panels  # [P, K, 16]: element (p, k, j) is W[16 p + j, k]
+        return panels.transpose(1, 2).reshape(-1, panels.shape[1])[: packed.out_features], packed.bias
+    weight = getattr(module, "weight", None)
+    if packed is None and isinstance(weight, torch.Tensor) and weight.numel() > 0 \
+            and weight.dtype == torch.float32:
+        return weight, module.effective_bias() if isinstance(module, LinearBase) else None
+    return None
+
+
+def with_high_precision(model: nn.Module, *, replace: bool = False) -> int:
+    """Give the model's float32 linears their bf16x3 kernel; returns how many have one.
+
+    replace=False (float32_matmul_precision "auto"): beside the IEEE kernel, as LinearBase.packed_high, for
+    the steps under context.float32_matmul_high (embeddings), once. replace=True ("high"): as the kernel of
+    every step, the LM head's too, the IEEE one released. Layers it cannot unpack keep their kernel.
+    """
+    from batchinfer.engine.layers.embed_head import ParallelLMHead
+    from batchinfer.engine.layers.linear import LinearBase
+
+    if amx_extension() is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, LinearBase | ParallelLMHead):
+            continue
+        if isinstance(module, ParallelLMHead) and not replace:
+            continue  # embeddings pool hidden states: the head never runs there
+        if isinstance(module, LinearBase) and module.packed_high is not None:
+            count += 1
+            continue
+        found = dense_weight(module)
+        kernel = None if found is None else amx_linear(*found)
+        if kernel is None:
+            continue
+        if replace:
+            module.packed = kernel
+        elif isinstance(module, LinearBase):
+            module.packed_high = kernel
+        count += 1
+    return count
