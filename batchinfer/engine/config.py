@@ -100,10 +100,10 @@ MODEL_DTYPE_KV_CACHES = {"fp32": "float32", "bf16": "bfloat16"}
 KV_CACHE_AUTO_CPU_QUANTIZED = "u8"
 # How float32 GEMMs run on a CPU with AMX bf16 tiles (torch.set_float32_matmul_precision's names):
 # "highest": IEEE float32 (panel GEMM / oneDNN); "high": each float32 as the sum of two bf16s, three bf16
-# products summed in float32 on AMX (layers/amx_linear.py: ~4e-6 relative error per output against
-# float32's ~5e-7, 2-3x the GEMM speed from 32 rows); "auto": high for embeddings (judged by cosine: every
-# one >= 0.99999 against IEEE), highest for generation (token-exact with transformers as documented). Where
-# no AMX kernel runs (no AMX, not float32, int8 / gguf weights, CUDA) every setting is "highest".
+# products summed in float32 on AMX (layers/amx_linear.py has its error and speed); "auto": high for
+# embeddings (judged by cosine: 1.000000 against IEEE on SmolLM2), highest for generation (token-exact with
+# transformers as documented). Where no AMX kernel runs (no AMX, not float32, int8 / gguf weights, CUDA)
+# every setting is "highest".
 FLOAT32_MATMUL_PRECISIONS = ("auto", "highest", "high")
 
 
@@ -268,14 +268,10 @@ class EngineConfig:
 
     def resolved_float32_matmul_precision(self) -> str:
         """float32_matmul_precision where the AMX kernel can run it (a float32 model with dense weights on a
-        CPU with AMX bf16), else "highest"; "auto" needs one rank too (ranks embed outside ModelRunner.embed).
-        """
+        CPU with AMX bf16), else "highest"."""
         if (self.float32_matmul_precision == "highest" or self.resolved_dtype_name() != "float32"
                 or self.quantization is not None or not cpu_has_amx_bf16()
                 or self.resolved_device().startswith("cuda")):
-            return "highest"
-        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
-        if self.float32_matmul_precision == "auto" and ranks > 1:
             return "highest"
         return self.float32_matmul_precision
 

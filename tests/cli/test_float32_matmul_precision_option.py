@@ -5,6 +5,7 @@ name in their provenance the precision their float32 GEMMs ran at (auto: embeddi
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import orjson
@@ -69,6 +70,24 @@ def test_run_flag_reaches_the_engine(env: Path, tiny_llama: Path, built_configs:
     lines = _run(env, tiny_llama, "in", "--float32-matmul-precision", "highest")
     assert [config.float32_matmul_precision for config in built_configs] == ["highest"]
     assert all("float32_matmul_precision" not in line["provenance"] for line in lines)
+
+
+def test_worker_flag_reaches_the_engine(env: Path, tiny_llama: Path, built_configs: list,  # noqa: F811
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import workers.process as process
+
+    monkeypatch.setattr(process, "poll_forever", lambda runner, stop: None)  # started, then done at once
+    for name in ("process_model", "process_settings", "process_engine_overrides", "process_metrics_port"):
+        monkeypatch.setattr(process, name, getattr(process, name))  # the command sets them: restored after
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        result = invoke("worker", "--model", str(tiny_llama), "--float32-matmul-precision", "high", "--json")
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert result.exit_code == 0, result.output
+    assert [config.float32_matmul_precision for config in built_configs] == ["high"]
+    assert process.process_engine_overrides["float32_matmul_precision"] == "high"
 
 
 @needs_amx

@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchinfer.engine import config as engine_config
 from batchinfer.engine.config import FLOAT32_MATMUL_PRECISIONS, EngineConfig
 from batchinfer.engine.layers import amx_linear, weight_packing
+from batchinfer.engine.native import cpu_features
 from batchinfer.engine.native.build import CSRC_DIR
 from tests.engine.test_models import FakeSeq, ScatteredBlocks, make_runner, run_step
 
 EXT = amx_linear.amx_extension()
 needs_amx = pytest.mark.skipif(EXT is None, reason="the bf16x3 GEMM needs a CPU with AMX bf16 tiles")
 AMX_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
-BF16X3_TOLERANCE = 2e-5  # measured ~4-5e-6 of the output's largest value; one bf16 product: ~2e-3
+BF16X3_TOLERANCE = 2e-5  # bench/panel_gemm.py measures ~5e-6 of the output's largest value; one bf16: ~2e-3
 
 
 def _relative_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -60,8 +60,23 @@ def test_bf16x3_is_far_closer_than_one_bf16_product() -> None:
 def test_amx_linear_keeps_leading_dimensions_and_refuses_a_wrong_width() -> None:
     kernel = amx_linear.AmxLinear(torch.randn(48, 40), None, EXT)
     assert kernel(torch.randn(2, 3, 40)).shape == (2, 3, 48)
-    with pytest.raises(RuntimeError, match="K does not fit"):
-        kernel(torch.randn(4, 72))
+    for width in (72, 39):  # another tile, and the same 32-wide tile as 40
+        with pytest.raises(ValueError, match=f"x has {width} features, the weight 40"):
+            kernel(torch.randn(4, width))
+
+
+@needs_amx
+def test_a_non_finite_input_spoils_only_its_own_outputs() -> None:
+    """inf in x (or W) gives nan where IEEE gives inf (inf x 0 in the split), in its row (column) only."""
+    weight, x = torch.ones(40, 32), torch.ones(3, 32)
+    x[1, 7] = float("inf")
+    got = amx_linear.AmxLinear(weight, None, EXT)(x)
+    assert not torch.isfinite(got[1]).any()
+    assert torch.equal(got[[0, 2]], torch.full((2, 40), 32.0))
+    weight[33, 0] = float("-inf")
+    got = amx_linear.AmxLinear(weight, None, EXT)(torch.ones(2, 32))
+    assert not torch.isfinite(got[:, 33]).any()
+    assert torch.equal(got[:, [i for i in range(40) if i != 33]], torch.full((2, 39), 32.0))
 
 
 def test_panels_unpack_to_the_exact_weight() -> None:
@@ -82,14 +97,14 @@ def test_panels_unpack_to_the_exact_weight() -> None:
     (AMX_FLAGS, {"dtype": "float32", "float32_matmul_precision": "highest"}, "highest"),
     (AMX_FLAGS, {"dtype": "bfloat16", "float32_matmul_precision": "high"}, "highest"),
     (AMX_FLAGS, {"dtype": "float32", "quantization": "int8", "float32_matmul_precision": "high"}, "highest"),
-    (AMX_FLAGS, {"dtype": "float32", "tensor_parallel_size": 2}, "highest"),  # ranks embed outside the runner
-    (AMX_FLAGS, {"dtype": "float32", "tensor_parallel_size": 2, "float32_matmul_precision": "high"}, "high"),
+    (AMX_FLAGS, {"dtype": "float32", "tensor_parallel_size": 2}, "auto"),  # every rank runs ModelRunner.embed
     (AMX_FLAGS - {"amx_bf16"}, {"dtype": "float32", "float32_matmul_precision": "high"}, "highest"),
+    (AMX_FLAGS - {"avx512_bf16"}, {"dtype": "float32"}, "highest"),  # x is split by AVX-512 bf16 converts
     (frozenset({"avx2", "fma"}), {"dtype": "float32"}, "highest"),
 ])
 def test_the_setting_resolves_by_cpu_dtype_and_weights(monkeypatch: pytest.MonkeyPatch, flags: frozenset[str],
                                                        kwargs: dict, expected: str) -> None:
-    monkeypatch.setattr(engine_config, "cpu_has_amx_bf16", lambda: flags >= {"amx_tile", "amx_bf16"})
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: flags)
     config = EngineConfig(model="m", device="cpu", **kwargs)
     assert config.resolved_float32_matmul_precision() == expected
 
@@ -123,6 +138,18 @@ def test_high_runs_every_linear_and_the_head_in_bf16x3_with_float32_logits(tiny_
     # through two layers and their norms: ~2e-5 of the largest logit (bf16 weights: ~1e-2)
     assert float((got - expected).abs().max()) < 1e-4 * float(expected.abs().max())
     assert not torch.equal(got, expected)  # bf16x3 ran: not the IEEE sums bit for bit
+
+
+def test_high_where_no_kernel_runs_says_so_and_runs_float32(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A CPU whose flags promise AMX but whose kernels are not there (not built, refused the tile state)."""
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: AMX_FLAGS)
+    monkeypatch.setattr(amx_linear, "amx_extension", lambda: None)
+    runner = make_runner(tiny_llama, float32_matmul_precision="high")
+    assert "no linear runs bf16x3 here" in caplog.text
+    assert not isinstance(runner.model.lm_head.packed, amx_linear.AmxLinear)
+    highest = make_runner(tiny_llama, float32_matmul_precision="highest")
+    assert torch.equal(_prefill_and_decode_logits(runner), _prefill_and_decode_logits(highest))
 
 
 @needs_amx

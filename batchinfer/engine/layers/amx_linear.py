@@ -2,14 +2,18 @@
 
 Why: on a CPU with AMX a float32 GEMM runs on AVX-512 FMAs at ~0.35-0.4 TFLOP/s (2 cores), while AMX's
 bf16 tiles run ~8x that. csrc/amx_gemm.cpp splits x and W into high halves and residues and sums three
-bf16 products in float32 (x W = xh Wh + xh Wl + xl Wh): 2.1-2.9x float32's GEMM from 32 rows up on
-SmolLM2's shapes, at a relative error of ~4e-6 per output against float32's ~5e-7 (bench/amx_gemm.py).
-This is what torch.set_float32_matmul_precision("high") names "the sum of two bfloat16 numbers"; the
-engine's knob is EngineConfig.float32_matmul_precision (engine/config.py says which steps "auto" runs so).
+bf16 products in float32 (x W = xh Wh + xh Wl + xl Wh). On an AMX Xeon (bench/panel_gemm.py, a SmolLM2
+step's 121 GEMMs, weights from memory) that is 1.2-1.9x the panel GEMM (float32's default there) from 16
+to 512 rows, 0.86-0.96x at 1-8 rows (where both stream the weights), at a largest error of ~5e-6 of the
+output's scale against ~1e-6 for the float32 GEMMs (the same bench prints both). This is what
+torch.set_float32_matmul_precision("high") names "the sum of two bfloat16 numbers"; the engine's knob is
+EngineConfig.float32_matmul_precision (engine/config.py: "auto" runs embeddings so, "high" everything).
 
-AmxLinear packs a weight once (pack_amx_weight: 4 bytes per parameter, as float32); with_high_precision
-gives a packed model's float32 linears that kernel beside their IEEE one (LinearBase.packed_high, from the
-panel GEMM's lossless panels or the dense weight), which steps run under a "high" context.
+AmxLinear packs a weight once (pack_amx_weight: 4 bytes per parameter, as float32). with_high_precision
+gives a packed model's float32 linears that kernel: under "high" instead of their IEEE one, under "auto"
+beside it (LinearBase.packed_high, unpacked from the panel GEMM's lossless panels or the kept dense weight,
+on the first embeddings: a worker that has embedded holds both, 8 bytes per float32 parameter), which steps
+inside context.float32_matmul_high run.
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ class AmxLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, extension: Any) -> None:
         self.halves = extension.pack_amx_weight(weight.detach().float().contiguous())
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.out_features = int(weight.shape[0])
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self._extension = extension
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:  # the kernel sees K only to its 32-wide tile
+            raise ValueError(f"AmxLinear: x has {x.shape[-1]} features, the weight {self.in_features}")
         if x.dim() != 2:  # the engine's activations are [T, features]; keep any other caller working
             return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         return self._extension.amx_linear(x, self.halves, self.bias, self.out_features)
@@ -61,8 +67,7 @@ def amx_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | No
 
 
 def dense_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """A packed float32 linear's weight and bias, exactly: kept dense, or unpacked from its panels (None:
-    neither, e.g. oneDNN's opaque layout or another dtype)."""
+    """A float32 linear's exact weight and bias, kept dense or unpacked from its panels, else None."""
     from batchinfer.engine.layers.linear import LinearBase
     from batchinfer.engine.layers.weight_packing import PanelLinear
 
@@ -82,7 +87,8 @@ def with_high_precision(model: nn.Module, *, replace: bool = False) -> int:
 
     replace=False (float32_matmul_precision "auto"): beside the IEEE kernel, as LinearBase.packed_high, for
     the steps under context.float32_matmul_high (embeddings), once. replace=True ("high"): as the kernel of
-    every step, the LM head's too, the IEEE one released. Layers it cannot unpack keep their kernel.
+    every step, the LM head's too, in place of the panels. Layers whose weight is in neither form
+    (BATCHINFER_CPU_LINEAR=onednn: oneDNN's opaque layout) keep their IEEE kernel.
     """
     from batchinfer.engine.layers.embed_head import ParallelLMHead
     from batchinfer.engine.layers.linear import LinearBase

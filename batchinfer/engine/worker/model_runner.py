@@ -138,8 +138,10 @@ class ModelRunner:
         # float32 GEMMs on AMX (layers/amx_linear.py): "high" runs every step's in bf16x3; "auto" its
         # embeddings only (embed() gives the layers that kernel on first use)
         self.float32_matmul_precision = config.resolved_float32_matmul_precision()
-        if self.float32_matmul_precision == "high":
-            with_high_precision(self.model, replace=True)
+        self._embeddings_packed = False  # "auto": embed() has given the layers their bf16x3 kernel
+        if self.float32_matmul_precision == "high" and not with_high_precision(self.model, replace=True):
+            logger.warning("float32_matmul_precision=high: no linear runs bf16x3 here (native kernels not "
+                           "built or refused AMX, or BATCHINFER_CPU_LINEAR=onednn); IEEE float32 runs")
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.lora_manager = None  # adapters' weights and each step's LoRABatch, when LoRA is enabled
         if config.enable_lora:
@@ -371,7 +373,11 @@ class ModelRunner:
         """
         if self.float32_matmul_precision != "auto":
             return embed_batched(self.model, token_id_lists, self.device, self.step_tokens)
-        with_high_precision(self.model)  # once: layers that have their kernel are skipped
+        if not self._embeddings_packed:  # the first embeddings give the layers their bf16x3 kernel
+            self._embeddings_packed = True
+            if not with_high_precision(self.model):
+                logger.warning("float32_matmul_precision=auto: no linear runs bf16x3 here (native kernels "
+                               "not built or refused AMX, or BATCHINFER_CPU_LINEAR=onednn)")
         with float32_matmul_high():
             return embed_batched(self.model, token_id_lists, self.device, self.step_tokens)
 

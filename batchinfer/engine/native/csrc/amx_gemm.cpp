@@ -1,10 +1,11 @@
 // y = x @ W.T (+ bias) for float32 x and W on AMX's bf16 tiles, each float32 taken as the sum of two
 // bfloat16s (bf16x3, what torch.set_float32_matmul_precision("high") names "the sum of two bfloat16
 // numbers"): x W = xh Wh + xh Wl + xl Wh, the three products in float32 (xl Wl, ~2^-16 of the sum, dropped).
-// Relative error per output ~5e-6 against float32's ~6e-7 (bench/amx_gemm.py prints both), at AMX's
-// throughput: on a 2-core AMX Xeon bf16 tiles run ~8x the AVX-512 fp32 FMAs, so three passes still win
-// wherever the GEMM is compute-bound (prefill, embedding batches). engine/layers/weight_packing.py's
-// AmxLinear uses it only where asked (float32_matmul_precision "high"); "highest" keeps IEEE float32.
+// On a 2-core AMX Xeon bf16 tiles run ~8x the AVX-512 fp32 FMAs, so three passes still win wherever the
+// GEMM is not bound by streaming its weights (32 rows up). engine/layers/amx_linear.py's AmxLinear runs it
+// under float32_matmul_precision "high" (every step) or "auto" (embeddings); its docstring has the error.
+// A non-finite x or W value makes its outputs nan where IEEE float32 may give +-inf (inf - inf residues,
+// inf x 0 products): a model whose activations overflow has no usable output either way.
 //
 // Layout (pack_amx_weight): [NB / 2, KB, 4, 16, 32] bfloat16 with NB = N/16 and KB = K/32 rounded up (NB
 // even; padding is zero). Column tiles go in pairs; per pair and k step, four AMX B operands one after the
@@ -27,6 +28,7 @@ namespace {
 constexpr int64_t kTileCols = 16;  // output columns of one accumulator tile (16 float32 = 64 bytes)
 constexpr int64_t kTileK = 32;     // k per tile step: 16 rows of bf16 pairs
 constexpr int64_t kBlockRows = 32;  // rows of x per block: two 16-row accumulator tiles
+constexpr int64_t kBlockCols = 2 * kTileCols;  // output columns per block: one column-tile pair
 // Rows whose bf16 halves stay in L2 while a thread's weights go by (with 256, and the halves zero-filled per
 // call, 4096-row GEMMs ran 543 rather than 880 GFLOP/s; both changed at once).
 constexpr int64_t kChunkRows = 128;
@@ -56,8 +58,7 @@ struct alignas(64) TileConfig {  // the 64-byte operand of LDTILECFG, palette 1
   uint8_t rows[16] = {};
 };
 
-// tmm0-3: the 2 x 2 float32 accumulators of a 32 x 32 block; tmm4-5: x's two 16-row tiles; tmm6-7: W's
-// two 16-column tiles. Every tile is 16 rows of 64 bytes.
+// Eight tiles of 16 rows of 64 bytes (block and half_block say what each holds).
 void configure_tiles() {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
@@ -75,7 +76,9 @@ void split_rows(const float* x, int64_t M, int64_t K, int64_t Kp, bf16* high, bf
       auto* hi = reinterpret_cast<uint16_t*>(high + r * Kp);
       auto* lo = reinterpret_cast<uint16_t*>(low + r * Kp);
       for (int64_t k = 0; k < Kp; k += 16) {
-        const __mmask16 mask = k + 16 <= K ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(0, K - k)) - 1);
+        // past K (the last columns, and Kp's padding) the loads read nothing and the halves are zero
+        const int64_t valid = std::clamp<int64_t>(K - k, 0, 16);
+        const __mmask16 mask = __mmask16((uint32_t(1) << valid) - 1);
         const __m512 v = _mm512_maskz_loadu_ps(mask, src + k);
         const __m256bh h = _mm512_cvtneps_pbh(v);
         const __m512 widened = _mm512_castsi512_ps(
@@ -89,8 +92,9 @@ void split_rows(const float* x, int64_t M, int64_t K, int64_t Kp, bf16* high, bf
 }
 
 // One 32 x 32 block: rows m0.. of the split x times one column-tile pair of the packed weight (its KB
-// steps of 4 tiles), into out [32, 32] float32. Products in the order xh Wl, xh Wh, xl Wh per k step: 8
-// tile loads per 12 TDPs.
+// steps of 4 tiles), into out [kBlockRows, kBlockCols] float32. tmm0-3: the 2 x 2 accumulators; tmm4-5:
+// x's two 16-row tiles; tmm6-7: the pair's two column tiles. Products in the order xh Wl, xh Wh, xl Wh (the
+// small terms first) per k step: 8 tile loads per 12 TDPs.
 void block(const bf16* xh, const bf16* xl, int64_t ldx_bytes, const bf16* pair, int64_t KB, bool prefetch,
            float* out) {
   constexpr int64_t kTileElems = 16 * kTileK;  // bf16 per weight tile
@@ -129,11 +133,47 @@ void block(const bf16* xh, const bf16* xl, int64_t ldx_bytes, const bf16* pair, 
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  constexpr int64_t ld = kBlockRows * sizeof(float);  // out is [32, 32]
+  constexpr int64_t ld = kBlockCols * sizeof(float);  // out is [kBlockRows, kBlockCols]
   _tile_stored(0, out, ld);
-  _tile_stored(1, out + 16, ld);
-  _tile_stored(2, out + 16 * kBlockRows, ld);
-  _tile_stored(3, out + 16 * kBlockRows + 16, ld);
+  _tile_stored(1, out + kTileCols, ld);
+  _tile_stored(2, out + 16 * kBlockCols, ld);
+  _tile_stored(3, out + 16 * kBlockCols + kTileCols, ld);
+}
+
+// block for a last block of at most 16 rows (a decode step of up to 16 sequences is one): rows 0-15 of
+// out only. tmm0-1 accumulate the pair's two column tiles; x's halves (tmm2-3) and the pair's four weight
+// tiles (tmm4-7) load once per k step, so no tile is reloaded while products that read it are in flight
+// (tiles have no renaming). block's 2 x 2 accumulators reuse each operand more at 32 rows (850 against
+// ~700 GFLOP/s on a hot 1536 x 576 GEMM at 96 rows), but at 1-16 rows half of its products would be padding:
+// this one ran a SmolLM2 step of 121 GEMMs in 23-24 ms there against block's 28 (bench/panel_gemm.py).
+void half_block(const bf16* xh, const bf16* xl, int64_t ldx_bytes, const bf16* pair, int64_t KB,
+                bool prefetch, float* out) {
+  constexpr int64_t kTileElems = 16 * kTileK;  // bf16 per weight tile
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const bf16* wh = pair + kb * 4 * kTileElems;  // Wh of tiles 2p, 2p + 1, then their Wl
+    if (prefetch) {  // as in block
+      const auto* lines = reinterpret_cast<const char*>(wh + kPrefetchSteps * 4 * kTileElems);
+      for (int64_t line = 0; line < 4 * kTileElems * int64_t(sizeof(bf16)); line += 64)
+        _mm_prefetch(lines + line, _MM_HINT_T0);
+    }
+    _tile_loadd(2, xh + kb * kTileK, ldx_bytes);
+    _tile_loadd(3, xl + kb * kTileK, ldx_bytes);
+    _tile_loadd(4, wh, 64);
+    _tile_loadd(5, wh + kTileElems, 64);
+    _tile_loadd(6, wh + 2 * kTileElems, 64);
+    _tile_loadd(7, wh + 3 * kTileElems, 64);
+    _tile_dpbf16ps(0, 2, 6);  // xh Wl, xh Wh, xl Wh, as in block
+    _tile_dpbf16ps(1, 2, 7);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 2, 5);
+    _tile_dpbf16ps(0, 3, 4);
+    _tile_dpbf16ps(1, 3, 5);
+  }
+  constexpr int64_t ld = kBlockCols * sizeof(float);
+  _tile_stored(0, out, ld);
+  _tile_stored(1, out + kTileCols, ld);
 }
 
 #endif
@@ -152,7 +192,7 @@ torch::Tensor pack_amx_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "pack_amx_weight: a float32 [N, K] CPU weight");
   const int64_t N = weight.size(0), K = weight.size(1);
-  const int64_t NB = 2 * ((N + 2 * kTileCols - 1) / (2 * kTileCols)), KB = (K + kTileK - 1) / kTileK;
+  const int64_t NB = 2 * ((N + kBlockCols - 1) / kBlockCols), KB = (K + kTileK - 1) / kTileK;
   torch::Tensor padded = torch::zeros({NB * kTileCols, KB * kTileK}, weight.options());
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
   torch::Tensor high = padded.to(at::kBFloat16);
@@ -200,19 +240,22 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   // every 32-row block against each of them.
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     configure_tiles();
-    alignas(64) float out[kBlockRows * kBlockRows];
+    alignas(64) float out[kBlockRows * kBlockCols];
     for (int64_t c0 = 0; c0 < Mp; c0 += kChunkRows) {
       const int64_t c1 = std::min(Mp, c0 + kChunkRows);
       for (int64_t p = p0; p < p1; ++p) {
         const bf16* pair = weights + p * KB * 4 * 16 * kTileK;
         const int64_t n0 = 2 * p * kTileCols;
-        const int64_t columns = std::min<int64_t>(2 * kTileCols, N - n0);
+        const int64_t columns = std::min<int64_t>(kBlockCols, N - n0);
         for (int64_t m0 = c0; m0 < c1; m0 += kBlockRows) {
-          block(xh + m0 * Kp, xl + m0 * Kp, ldx_bytes, pair, KB, m0 == c0, out);
+          if (M - m0 <= 16)
+            half_block(xh + m0 * Kp, xl + m0 * Kp, ldx_bytes, pair, KB, m0 == c0, out);
+          else
+            block(xh + m0 * Kp, xl + m0 * Kp, ldx_bytes, pair, KB, m0 == c0, out);
           const int64_t rows = std::min(kBlockRows, M - m0);
           for (int64_t r = 0; r < rows; ++r) {
             float* dst = yp + (m0 + r) * N + n0;
-            const float* src = out + r * kBlockRows;
+            const float* src = out + r * kBlockCols;
             if (bp != nullptr)
               for (int64_t j = 0; j < columns; ++j) dst[j] = src[j] + bp[n0 + j];
             else
