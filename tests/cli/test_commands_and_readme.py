@@ -157,6 +157,6 @@ def test_readme_exit_codes_are_the_cli_exit_codes() -> None:
 def test_readme_settings_exist() -> None:
     table = README.read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]
     names = [name for row in re.findall(r"^\| `([^|]+)\|", table, flags=re.M)
-             for name in re.findall(r"([a-z_]+)`", row)]
+             for name in re.findall(r"([a-z][a-z0-9_]*)`", row)]
     assert len(names) >= 15
     assert set(names) <= set(Settings.model_fields), set(names) - set(Settings.model_fields)
