@@ -3,6 +3,7 @@ model (SQLite under tmp_path, CPU, a small KV cache)."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,19 @@ def tiny_model_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model: Path)
     monkeypatch.setenv("BATCHINFER_DEVICE", "cpu")
     monkeypatch.setenv("BATCHINFER_KV_CACHE_MEMORY_BYTES", str(16 << 20))
     return tmp_path
+
+
+def invoke_worker_once(monkeypatch: pytest.MonkeyPatch, *args: str) -> Result:
+    """`batchinfer worker ARGS` started and stopped at once (no polling), its module globals and signal
+    handlers restored afterwards."""
+    import workers.process as process
+
+    monkeypatch.setattr(process, "poll_forever", lambda runner, stop: None)  # started, then done at once
+    for name in ("process_model", "process_settings", "process_engine_overrides", "process_metrics_port"):
+        monkeypatch.setattr(process, name, getattr(process, name))  # the command sets them: restored after
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return invoke("worker", *args)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

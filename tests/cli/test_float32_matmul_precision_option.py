@@ -5,7 +5,6 @@ name in their provenance the precision their float32 GEMMs ran at (auto: embeddi
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import orjson
@@ -15,7 +14,7 @@ from batchinfer.config import Settings, load_settings
 from batchinfer.config_sources import ConfigError
 from batchinfer.engine.config import FLOAT32_MATMUL_PRECISIONS
 from batchinfer.engine.layers.amx_linear import amx_extension
-from tests.cli.helpers import invoke, tiny_model_env
+from tests.cli.helpers import invoke, invoke_worker_once, tiny_model_env
 from tests.cli.test_kv_cache_dtype_option import built_configs  # noqa: F401  # the fixture
 from tests.workers.helpers import read_lines, write_requests
 
@@ -76,15 +75,8 @@ def test_worker_flag_reaches_the_engine(env: Path, tiny_llama: Path, built_confi
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     import workers.process as process
 
-    monkeypatch.setattr(process, "poll_forever", lambda runner, stop: None)  # started, then done at once
-    for name in ("process_model", "process_settings", "process_engine_overrides", "process_metrics_port"):
-        monkeypatch.setattr(process, name, getattr(process, name))  # the command sets them: restored after
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        result = invoke("worker", "--model", str(tiny_llama), "--float32-matmul-precision", "high", "--json")
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    result = invoke_worker_once(monkeypatch, "--model", str(tiny_llama), "--float32-matmul-precision", "high",
+                                "--json")
     assert result.exit_code == 0, result.output
     assert [config.float32_matmul_precision for config in built_configs] == ["high"]
     assert process.process_engine_overrides["float32_matmul_precision"] == "high"

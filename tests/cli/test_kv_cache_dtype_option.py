@@ -4,7 +4,6 @@ naming the setting (or flag) and the allowed values."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from batchinfer.config import Settings, load_settings
 from batchinfer.config_sources import ConfigError
 from batchinfer.engine.config import KV_CACHE_DTYPES
-from tests.cli.helpers import invoke, tiny_model_env
+from tests.cli.helpers import invoke, invoke_worker_once, tiny_model_env
 from tests.workers.helpers import read_lines, write_requests
 
 ALLOWED = ", ".join(KV_CACHE_DTYPES)
@@ -87,15 +86,8 @@ def test_worker_flag_reaches_the_engine(env: Path, tiny_llama: Path, built_confi
                                         monkeypatch: pytest.MonkeyPatch):
     import workers.process as process
 
-    monkeypatch.setattr(process, "poll_forever", lambda runner, stop: None)  # started, then done at once
-    for name in ("process_model", "process_settings", "process_engine_overrides", "process_metrics_port"):
-        monkeypatch.setattr(process, name, getattr(process, name))  # the command sets them: restored after
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        result = invoke("worker", "--model", str(tiny_llama), "--kv-cache-dtype", "fp8_e4m3", "--json")
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    result = invoke_worker_once(monkeypatch, "--model", str(tiny_llama), "--kv-cache-dtype", "fp8_e4m3",
+                                "--json")
     assert result.exit_code == 0, result.output
     assert [config.kv_cache_dtype for config in built_configs] == ["fp8_e4m3"]
     assert process.process_engine_overrides["kv_cache_dtype"] == "fp8_e4m3"

@@ -18,7 +18,7 @@ from batchinfer.engine.config import FLOAT32_MATMUL_PRECISIONS, EngineConfig
 from batchinfer.engine.layers import amx_linear, weight_packing
 from batchinfer.engine.native import cpu_features
 from batchinfer.engine.native.build import CSRC_DIR
-from tests.engine.test_models import FakeSeq, ScatteredBlocks, make_runner, run_step
+from tests.engine.test_models import make_runner, prefill_and_decode_logits
 
 EXT = amx_linear.amx_extension()
 needs_amx = pytest.mark.skipif(EXT is None, reason="the bf16x3 GEMM needs a CPU with AMX bf16 tiles")
@@ -115,17 +115,6 @@ def test_an_unknown_setting_names_the_choices() -> None:
     assert FLOAT32_MATMUL_PRECISIONS == ("auto", "highest", "high")
 
 
-def _prefill_and_decode_logits(runner) -> torch.Tensor:
-    pool = ScatteredBlocks(256, 4)
-    seqs = [FakeSeq([5, 9, 2, 7, 11, 3]), FakeSeq([8, 1, 4])]
-    steps = [run_step(runner, pool, [(seq, len(seq.token_ids)) for seq in seqs])]
-    for token in (6, 10):
-        for seq in seqs:
-            seq.token_ids.append(token)
-        steps.append(run_step(runner, pool, [(seq, 1) for seq in seqs]))
-    return torch.cat(steps).float()
-
-
 @needs_amx
 def test_high_runs_every_linear_and_the_head_in_bf16x3_with_float32_logits(tiny_llama: Path) -> None:
     high = make_runner(tiny_llama, float32_matmul_precision="high")
@@ -134,7 +123,7 @@ def test_high_runs_every_linear_and_the_head_in_bf16x3_with_float32_logits(tiny_
     assert high.native_step is not None  # the C++ decoder stack runs the AMX kind too
     highest = make_runner(tiny_llama, float32_matmul_precision="highest")
     assert not isinstance(highest.model.lm_head.packed, amx_linear.AmxLinear)
-    got, expected = _prefill_and_decode_logits(high), _prefill_and_decode_logits(highest)
+    got, expected = prefill_and_decode_logits(high), prefill_and_decode_logits(highest)
     # through two layers and their norms: ~2e-5 of the largest logit (bf16 weights: ~1e-2)
     assert float((got - expected).abs().max()) < 1e-4 * float(expected.abs().max())
     assert not torch.equal(got, expected)  # bf16x3 ran: not the IEEE sums bit for bit
@@ -149,7 +138,7 @@ def test_high_where_no_kernel_runs_says_so_and_runs_float32(tiny_llama: Path, mo
     assert "no linear runs bf16x3 here" in caplog.text
     assert not isinstance(runner.model.lm_head.packed, amx_linear.AmxLinear)
     highest = make_runner(tiny_llama, float32_matmul_precision="highest")
-    assert torch.equal(_prefill_and_decode_logits(runner), _prefill_and_decode_logits(highest))
+    assert torch.equal(prefill_and_decode_logits(runner), prefill_and_decode_logits(highest))
 
 
 @needs_amx
@@ -158,7 +147,7 @@ def test_auto_runs_embeddings_in_bf16x3_and_generation_in_float32(tiny_llama: Pa
     highest = make_runner(tiny_llama, float32_matmul_precision="highest")
     qkv = auto.model.model.layers[0].self_attn.qkv_proj
     assert qkv.packed_high is None  # nothing packed until the first embeddings
-    assert torch.equal(_prefill_and_decode_logits(auto), _prefill_and_decode_logits(highest))
+    assert torch.equal(prefill_and_decode_logits(auto), prefill_and_decode_logits(highest))
     inputs = [[5, 9, 2, 7, 11, 3], [8, 1, 4], [7] * 40]
     got, expected = torch.tensor(auto.embed(inputs)), torch.tensor(highest.embed(inputs))
     assert isinstance(qkv.packed_high, amx_linear.AmxLinear)
@@ -166,7 +155,7 @@ def test_auto_runs_embeddings_in_bf16x3_and_generation_in_float32(tiny_llama: Pa
     assert (got * expected).sum(-1).min() > 0.99999
     assert not torch.equal(got, expected)
     assert torch.equal(torch.tensor(auto.embed(inputs)), got)  # packed once, the same kernel again
-    assert torch.equal(_prefill_and_decode_logits(auto), _prefill_and_decode_logits(highest))
+    assert torch.equal(prefill_and_decode_logits(auto), prefill_and_decode_logits(highest))
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")

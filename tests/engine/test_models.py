@@ -54,6 +54,18 @@ def run_step(
     return logits
 
 
+def prefill_and_decode_logits(runner: ModelRunner) -> torch.Tensor:
+    """Logits of a two-sequence prefill and two decode steps over scattered blocks, float32, stacked."""
+    pool = ScatteredBlocks(256, 4)
+    seqs = [FakeSeq([5, 9, 2, 7, 11, 3]), FakeSeq([8, 1, 4])]
+    steps = [run_step(runner, pool, [(seq, len(seq.token_ids)) for seq in seqs])]
+    for token in (6, 10):
+        for seq in seqs:
+            seq.token_ids.append(token)
+        steps.append(run_step(runner, pool, [(seq, 1) for seq in seqs]))
+    return torch.cat(steps).float()
+
+
 def hf_logits(hf_model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """transformers' logits [len, vocab] of every position."""
     with torch.inference_mode():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from batchinfer.engine.layers import weight_packing
-from tests.engine.test_models import FakeSeq, ScatteredBlocks, make_runner, run_step
+from tests.engine.test_models import make_runner, prefill_and_decode_logits
 
 EXT = weight_packing.panel_extension()
 needs_panel = pytest.mark.skipif(EXT is None, reason="the panel GEMM needs an AVX2 + FMA build")
@@ -106,13 +106,6 @@ def test_engine_with_panel_linears_matches_onednn(tiny_llama: Path, dtype: str,
         expected = weight_packing.PanelLinear if mode == "panel" else weight_packing.OneDnnLinear
         assert isinstance(runner.model.lm_head.packed, expected)
         assert isinstance(runner.model.model.layers[0].self_attn.qkv_proj.packed, expected)
-        pool = ScatteredBlocks(256, 4)
-        seqs = [FakeSeq([5, 9, 2, 7, 11, 3]), FakeSeq([8, 1, 4])]
-        steps = [run_step(runner, pool, [(seq, len(seq.token_ids)) for seq in seqs])]
-        for token in (6, 10):
-            for seq in seqs:
-                seq.token_ids.append(token)
-            steps.append(run_step(runner, pool, [(seq, 1) for seq in seqs]))
-        logits[mode] = torch.cat(steps).float()
+        logits[mode] = prefill_and_decode_logits(runner)
     tolerance = 1e-4 if dtype == "float32" else 5e-2
     torch.testing.assert_close(logits["panel"], logits["onednn"], atol=tolerance, rtol=tolerance)
