@@ -6,6 +6,7 @@ Import-light: torch is imported only inside the helpers that resolve "auto" valu
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 from batchinfer.engine.layers.quantization import quantization_format, splitting_formats
 
 # tests import cpu_has_native_bf16 from here too
-from batchinfer.engine.native.cpu_features import cpu_has_amx_bf16, cpu_has_native_bf16
+from batchinfer.engine.native.cpu_features import CPU_LINEAR_ENV, cpu_has_amx_bf16, cpu_has_native_bf16
 from batchinfer.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
@@ -268,10 +269,11 @@ class EngineConfig:
 
     def resolved_float32_matmul_precision(self) -> str:
         """float32_matmul_precision where the AMX kernel can run it (a float32 model with dense weights on a
-        CPU with AMX bf16), else "highest"."""
+        CPU with AMX bf16, not forced onto oneDNN's opaque layout by BATCHINFER_CPU_LINEAR), else "highest".
+        """
         if (self.float32_matmul_precision == "highest" or self.resolved_dtype_name() != "float32"
                 or self.quantization is not None or not cpu_has_amx_bf16()
-                or self.resolved_device().startswith("cuda")):
+                or os.environ.get(CPU_LINEAR_ENV) == "onednn" or self.resolved_device().startswith("cuda")):
             return "highest"
         return self.float32_matmul_precision
 

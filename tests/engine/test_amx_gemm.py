@@ -109,6 +109,14 @@ def test_the_setting_resolves_by_cpu_dtype_and_weights(monkeypatch: pytest.Monke
     assert config.resolved_float32_matmul_precision() == expected
 
 
+def test_cpu_linear_onednn_keeps_ieee_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's packed layout cannot be unpacked into the bf16 halves: the identity must not claim them."""
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: AMX_FLAGS)
+    monkeypatch.setenv(weight_packing.CPU_LINEAR_ENV, "onednn")
+    config = EngineConfig(model="m", device="cpu", dtype="float32", float32_matmul_precision="high")
+    assert config.resolved_float32_matmul_precision() == "highest"
+
+
 def test_an_unknown_setting_names_the_choices() -> None:
     with pytest.raises(ValueError, match="float32_matmul_precision: must be one of auto, highest, high; got"):
         EngineConfig(model="m", float32_matmul_precision="medium")

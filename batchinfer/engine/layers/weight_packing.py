@@ -44,11 +44,10 @@ from torch import nn
 
 from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.cpu_attention import fused_ops_for
-from batchinfer.engine.native.cpu_features import cpu_flags, cpu_has_vnni
+from batchinfer.engine.native.cpu_features import CPU_LINEAR_ENV, cpu_flags, cpu_has_vnni
 
 # "auto" (default: "panel" on AVX2-only CPUs, and for float32 on AMX ones; else "onednn"), "onednn",
 # "panel" or "aten" (plain F.linear)
-CPU_LINEAR_ENV = "BATCHINFER_CPU_LINEAR"
 CPU_LINEAR_MODES = ("auto", "onednn", "panel", "aten")
 # int8's GEMM, torch's quantized engine the weights are packed for: "auto" (default: "onednn" on a CPU with
 # AMX int8 tiles, else "fbgemm"), "fbgemm" or "onednn"

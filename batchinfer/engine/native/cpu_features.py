@@ -13,6 +13,9 @@ VNNI_CPU_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products su
 # what csrc/amx_gemm.cpp's float32 GEMM on bf16 tiles (bf16x3) needs: AMX tiles, their bf16 products, and
 # AVX-512 bf16 conversions for splitting x
 AMX_BF16_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
+# The CPU GEMM override (engine/layers/weight_packing.py's CPU_LINEAR_MODES): here so that engine/config.py
+# resolves what runs without importing torch
+CPU_LINEAR_ENV = "BATCHINFER_CPU_LINEAR"
 
 
 @functools.cache

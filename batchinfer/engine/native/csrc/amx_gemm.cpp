@@ -2,7 +2,7 @@
 // bfloat16s (bf16x3, what torch.set_float32_matmul_precision("high") names "the sum of two bfloat16
 // numbers"): x W = xh Wh + xh Wl + xl Wh, the three products in float32 (xl Wl, ~2^-16 of the sum, dropped).
 // On a 2-core AMX Xeon bf16 tiles run ~8x the AVX-512 fp32 FMAs, so three passes still win wherever the
-// GEMM is not bound by streaming its weights (32 rows up). engine/layers/amx_linear.py's AmxLinear runs it
+// GEMM is not bound by streaming its weights (16 rows up). engine/layers/amx_linear.py's AmxLinear runs it
 // under float32_matmul_precision "high" (every step) or "auto" (embeddings); its docstring has the error.
 // A non-finite x or W value makes its outputs nan where IEEE float32 may give +-inf (inf - inf residues,
 // inf x 0 products): a model whose activations overflow has no usable output either way.
