@@ -37,7 +37,7 @@ import gc  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -347,8 +347,10 @@ def main() -> None:
                   else f"  batchinfer [{key}]: skipped: {result}")
     if not args.skip_fp32_high and "fp32" in (args.precision or PRECISIONS) and cpu_has_amx_bf16():
         # generation's opt-in on AMX CPUs (auto is highest there): reported beside the table, not in it
-        ours[FP32_HIGH] = run_ours(prompts, budgets, "fp32", args, model_eos, matmul_precision="high")
-        result = ours[FP32_HIGH]
+        result = run_ours(prompts, budgets, "fp32", args, model_eos, matmul_precision="high")
+        if isinstance(result, Result):
+            result = replace(result, precision=FP32_HIGH)  # its lines say which fp32 row it is
+        ours[FP32_HIGH] = result
         print(result.line() if isinstance(result, Result)
               else f"  batchinfer [{FP32_HIGH}]: skipped: {result}")
     peers: dict[str, Result | str] = {}

@@ -12,12 +12,13 @@ EngineConfig.float32_matmul_precision (engine/config.py: "auto" runs embeddings 
 AmxLinear packs a weight once (pack_amx_weight: 4 bytes per parameter, as float32). with_high_precision
 gives a packed model's float32 linears that kernel: under "high" instead of their IEEE one, under "auto"
 beside it (LinearBase.packed_high, unpacked from the panel GEMM's lossless panels or the kept dense weight,
-on the first embeddings: a worker that has embedded holds both, 8 bytes per float32 parameter), which steps
-inside context.float32_matmul_high run.
+on the first embeddings: a worker that has embedded holds both, 8 bytes per float32 parameter), which the
+steps whose AttentionContext sets float32_matmul_high run.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +29,8 @@ from batchinfer.engine.native.cpu_features import cpu_has_amx_bf16
 
 if TYPE_CHECKING:
     from batchinfer.engine.layers.weight_packing import LinearFn
+
+logger = logging.getLogger(__name__)
 
 
 class AmxLinear:
@@ -73,8 +76,7 @@ def dense_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] 
 
     packed = getattr(module, "packed", None)
     if isinstance(packed, PanelLinear) and packed.panels.dtype == torch.float32:
-        panels = packed.panels  # [P, K, 16]: element (p, k, j) is W[16 p + j, k]
-        return panels.transpose(1, 2).reshape(-1, panels.shape[1])[: packed.out_features], packed.bias
+        return packed.weight(), packed.bias
     weight = getattr(module, "weight", None)
     if packed is None and isinstance(weight, torch.Tensor) and weight.numel() > 0 \
             and weight.dtype == torch.float32:
@@ -83,18 +85,24 @@ def dense_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] 
 
 
 def with_high_precision(model: nn.Module, *, replace: bool = False) -> int:
-    """Give the model's float32 linears their bf16x3 kernel; returns how many have one.
+    """Give the model's float32 linears their bf16x3 kernel; returns how many have one (none: a warning).
 
     replace=False (float32_matmul_precision "auto"): beside the IEEE kernel, as LinearBase.packed_high, for
-    the steps under context.float32_matmul_high (embeddings), once. replace=True ("high"): as the kernel of
-    every step, the LM head's too, in place of the panels. Layers whose weight is in neither form
-    (BATCHINFER_CPU_LINEAR=onednn: oneDNN's opaque layout) keep their IEEE kernel.
+    the steps whose context asks for it (embeddings); a layer that has one keeps it. replace=True ("high"):
+    as the kernel of every step, the LM head's too, in place of the panels. Layers whose weight is in
+    neither form (BATCHINFER_CPU_LINEAR=onednn: oneDNN's opaque layout) keep their IEEE kernel.
     """
+    count = _attach_bf16x3(model, replace=replace) if amx_extension() is not None else 0
+    if count == 0:
+        logger.warning("float32_matmul_precision=%s: no linear runs bf16x3 here (native kernels not built or "
+                       "refused AMX's tile state); IEEE float32 runs", "high" if replace else "auto")
+    return count
+
+
+def _attach_bf16x3(model: nn.Module, *, replace: bool) -> int:
     from batchinfer.engine.layers.embed_head import ParallelLMHead
     from batchinfer.engine.layers.linear import LinearBase
 
-    if amx_extension() is None:
-        return 0
     count = 0
     for module in model.modules():
         if not isinstance(module, LinearBase | ParallelLMHead):

@@ -1,13 +1,10 @@
 """The per-step attention context: batch layout tensors the model runner builds once per step and every
 attention layer reads (set before the forward, reset after), so the model's forward signature stays
-(input_ids, positions) as in a plain transformer. Beside it, the step's float32 matmul precision
-(float32_matmul_high), which the linear layers read.
+(input_ids, positions) as in a plain transformer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +26,8 @@ class AttentionContext:
     lora          the adapter segments of the packed tokens (None: every token runs the base model)
     dense_groups  backend "dense" (cache-free embeddings forward): the packed inputs' causal SDPA groups
                   (None: the tokens are one input)
+    float32_matmul_high  the linears run their bf16x3 kernel where they have one (LinearBase.packed_high:
+                  embeddings under float32_matmul_precision "auto", layers/amx_linear.py)
     """
 
     slot_mapping: torch.Tensor
@@ -41,10 +40,10 @@ class AttentionContext:
     torch_plan: TorchAttentionPlan | None = None  # gather/mask plan of the torch backend
     lora: LoRABatch | None = None  # per active adapter its token rows (lora/layers.py); None: no LoRA work
     dense_groups: list[DenseGroup] | None = None  # backend "dense" only
+    float32_matmul_high: bool = False
 
 
 _CONTEXT: AttentionContext | None = None
-_FLOAT32_MATMUL_HIGH = False  # the running forward's linears run their bf16x3 kernel (LinearBase.packed_high)
 
 
 def set_context(context: AttentionContext | None) -> None:
@@ -58,24 +57,13 @@ def current_lora_batch() -> LoRABatch | None:
     return None if _CONTEXT is None else _CONTEXT.lora
 
 
+def current_float32_matmul_high() -> bool:
+    """True when the running step's linears run their bf16x3 kernel (False outside a step)."""
+    return _CONTEXT is not None and _CONTEXT.float32_matmul_high
+
+
 def get_context() -> AttentionContext:
     """The layout of the running step; attention layers call this."""
     if _CONTEXT is None:
         raise RuntimeError("no attention context set: run the model through ModelRunner.execute_model")
     return _CONTEXT
-
-
-@contextmanager
-def float32_matmul_high() -> Iterator[None]:
-    """Run the block's forwards with float32_matmul_precision "high" (ModelRunner.embed under "auto")."""
-    global _FLOAT32_MATMUL_HIGH
-    previous, _FLOAT32_MATMUL_HIGH = _FLOAT32_MATMUL_HIGH, True
-    try:
-        yield
-    finally:
-        _FLOAT32_MATMUL_HIGH = previous
-
-
-def float32_matmul_is_high() -> bool:
-    """True inside float32_matmul_high: a linear with a bf16x3 kernel runs it."""
-    return _FLOAT32_MATMUL_HIGH

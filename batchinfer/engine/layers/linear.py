@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchinfer.engine.layers.context import current_lora_batch, float32_matmul_is_high
+from batchinfer.engine.layers.context import current_float32_matmul_high, current_lora_batch
 from batchinfer.engine.layers.partition import divide, local_kv_heads
 from batchinfer.engine.parallel.distributed import all_reduce, tp_rank, tp_world_size
 
@@ -80,7 +80,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         # Set after loading by weight_packing.pack_linears (oneDNN / int8 kernel, bias included).
         self.packed: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # The bf16x3 kernel steps under float32_matmul_high run (amx_linear.with_high_precision); None: none
+        # The bf16x3 kernel of steps whose context asks for it (amx_linear.with_high_precision); None: none
         self.packed_high: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def effective_bias(self) -> torch.Tensor | None:
@@ -103,7 +103,7 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the (local slice of the) linear map (plus the step's LoRA deltas on an adapted module)."""
-        high = self.packed_high is not None and float32_matmul_is_high()
+        high = self.packed_high is not None and current_float32_matmul_high()
         kernel = self.packed_high if high else self.packed
         out = kernel(x) if kernel is not None else F.linear(x, self.weight, self.effective_bias())
         if self.lora_key is not None:

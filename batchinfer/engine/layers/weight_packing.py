@@ -5,9 +5,9 @@ non-Intel CPUs; oneDNN's JIT kernels run the same fp32 GEMMs 2.5-4.5x faster (th
 rows: 12 ms -> 2.6 ms), and with a weight prepacked into oneDNN's blocked layout bf16 runs another 1.2-1.8x
 faster than bf16 F.linear; our panel GEMM (below) beats oneDNN at decode sizes, so it is the default where
 measured (AVX2-only CPUs; float32 on AVX-512 CPUs with AMX). int8 (quantization="int8") stores each weight
-per output channel in int8 and runs fbgemm's
-dynamic-quantized GEMM (activations quantized per call and per tensor): 1.5-2x bf16's speed at the batch
-sizes of a decode step; on a CPU with AMX tiles oneDNN's (int8_gemm_engine). Its error is mostly the
+per output channel in int8 and runs fbgemm's dynamic-quantized GEMM (activations quantized per call and per
+tensor): 1.5-2x bf16's speed at the batch sizes of a decode step; on a CPU with AMX tiles oneDNN's
+(int8_gemm_engine). Its error is mostly the
 per-tensor activation scale (weight-only int8 alone keeps the KL to fp32 at ~0.004), so two things keep it
 in check: int8_smoothing folds per-channel activation smoothing into the weights once at load (channel
 outliers of the norm outputs and of v), and down_proj's input, whose outliers sit on a few tokens rather
@@ -104,6 +104,11 @@ class PanelLinear:
         if x.dim() != 2:  # the engine's activations are [T, features]; keep any other caller working
             return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         return self._extension.panel_linear(x, self.panels, self.bias, self.out_features)
+
+    def weight(self) -> torch.Tensor:
+        """The [N, K] weight again, exactly (a view of the panels: pack_panels' inverse)."""
+        # [P, K, 16]: element (p, k, j) is W[16 p + j, k]
+        return self.panels.transpose(1, 2).reshape(-1, self.panels.shape[1])[: self.out_features]
 
 
 def panel_extension() -> Any:

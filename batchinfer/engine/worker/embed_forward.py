@@ -36,9 +36,11 @@ def plan_chunks(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return chunks
 
 
-def embed_chunk(model: torch.nn.Module, token_id_lists: Sequence[list[int]], device: torch.device
-                ) -> torch.Tensor:
-    """One packed cache-free forward over whole inputs; their pooled, normalised vectors [n, hidden] fp32."""
+def embed_chunk(model: torch.nn.Module, token_id_lists: Sequence[list[int]], device: torch.device, *,
+                float32_matmul_high: bool = False) -> torch.Tensor:
+    """One packed cache-free forward over whole inputs; their pooled, normalised vectors [n, hidden] fp32.
+
+    float32_matmul_high: the linears run their bf16x3 kernel (float32_matmul_precision "auto" on AMX)."""
     lengths = [len(ids) for ids in token_id_lists]
     if min(lengths, default=0) < 1:
         raise ValueError("an embeddings input needs at least one token")
@@ -50,7 +52,7 @@ def embed_chunk(model: torch.nn.Module, token_id_lists: Sequence[list[int]], dev
     empty = torch.empty(0, dtype=torch.int32, device=device)
     groups = None if len(lengths) == 1 else build_dense_groups(lengths, device)
     set_context(AttentionContext(empty, empty, empty, empty, max(lengths), max(lengths), "dense",
-                                 dense_groups=groups))
+                                 dense_groups=groups, float32_matmul_high=float32_matmul_high))
     try:
         hidden = model(input_ids, positions.to(device))
     finally:
@@ -63,11 +65,12 @@ def embed_chunk(model: torch.nn.Module, token_id_lists: Sequence[list[int]], dev
 
 
 def embed_batched(model: torch.nn.Module, token_id_lists: Sequence[list[int]], device: torch.device,
-                  budget: int) -> list[list[float]]:
+                  budget: int, *, float32_matmul_high: bool = False) -> list[list[float]]:
     """Every input's vector, in input order, running the chunks of plan_chunks(budget) one forward each."""
     out: list[list[float]] = [[] for _ in token_id_lists]
     for chunk in plan_chunks([len(ids) for ids in token_id_lists], budget):
-        vectors = embed_chunk(model, [token_id_lists[i] for i in chunk], device).tolist()
+        vectors = embed_chunk(model, [token_id_lists[i] for i in chunk], device,
+                              float32_matmul_high=float32_matmul_high).tolist()
         for i, vector in zip(chunk, vectors, strict=True):
             out[i] = vector
     return out

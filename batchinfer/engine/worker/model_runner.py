@@ -33,7 +33,7 @@ from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.amx_linear import with_high_precision
 from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.attention_plan import build_torch_plan
-from batchinfer.engine.layers.context import AttentionContext, float32_matmul_high, set_context
+from batchinfer.engine.layers.context import AttentionContext, set_context
 from batchinfer.engine.layers.kv_quant import kv_cache_format
 from batchinfer.engine.layers.quantization import pack_weights, quantization_format
 from batchinfer.engine.layers.quantized_attention import QuantizedKV
@@ -139,9 +139,8 @@ class ModelRunner:
         # embeddings only (embed() gives the layers that kernel on first use)
         self.float32_matmul_precision = config.resolved_float32_matmul_precision()
         self._embeddings_packed = False  # "auto": embed() has given the layers their bf16x3 kernel
-        if self.float32_matmul_precision == "high" and not with_high_precision(self.model, replace=True):
-            logger.warning("float32_matmul_precision=high: no linear runs bf16x3 here (native kernels not "
-                           "built or refused AMX, or BATCHINFER_CPU_LINEAR=onednn); IEEE float32 runs")
+        if self.float32_matmul_precision == "high":
+            with_high_precision(self.model, replace=True)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.lora_manager = None  # adapters' weights and each step's LoRABatch, when LoRA is enabled
         if config.enable_lora:
@@ -371,15 +370,12 @@ class ModelRunner:
         on a CPU step_budget.py's cut): the KV cache, block tables and prefix cache are not touched.
         float32_matmul_precision "auto" on an AMX CPU runs their float32 GEMMs in bf16x3 (amx_linear.py).
         """
-        if self.float32_matmul_precision != "auto":
-            return embed_batched(self.model, token_id_lists, self.device, self.step_tokens)
-        if not self._embeddings_packed:  # the first embeddings give the layers their bf16x3 kernel
+        high = self.float32_matmul_precision == "auto"
+        if high and not self._embeddings_packed:  # the first embeddings give the layers their bf16x3 kernel
             self._embeddings_packed = True
-            if not with_high_precision(self.model):
-                logger.warning("float32_matmul_precision=auto: no linear runs bf16x3 here (native kernels "
-                               "not built or refused AMX, or BATCHINFER_CPU_LINEAR=onednn)")
-        with float32_matmul_high():
-            return embed_batched(self.model, token_id_lists, self.device, self.step_tokens)
+            with_high_precision(self.model)
+        return embed_batched(self.model, token_id_lists, self.device, self.step_tokens,
+                             float32_matmul_high=high)
 
 
 def _last_positions(last: torch.Tensor, counts: Sequence[int], q_lens: list[int]) -> torch.Tensor:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 NATIVE_STEP_ENV = "BATCHINFER_CPU_NATIVE_STEP"  # "0": the Python layer loop instead (A/B runs)
 
 # One linear as the C++ stack takes it: (kind, weight, bias, int8 packed params, per_token, reduce_range,
-# out_features (the panel GEMM's N; 0 for the others))
+# out_features (the panel and AMX GEMMs' N; 0 for the others))
 LinearSpec = tuple[int, torch.Tensor, torch.Tensor | None, object, bool, bool, int]
 
 
