@@ -32,7 +32,8 @@ from batchinfer.config_sources import (
     read_config_file,
     sources_of,
 )
-from batchinfer.engine.config import FLOAT32_MATMUL_PRECISIONS, canonical_kv_cache_dtype
+from batchinfer.engine.config import FLOAT32_MATMUL_PRECISIONS
+from batchinfer.engine.kv_cache_dtypes import canonical_kv_cache_dtype
 from batchinfer.engine.layers.quantization import QUANTIZATIONS
 from batchinfer.engine.speculative_config import parse_speculative_config
 from batchinfer.engine_kwargs import EngineKwargs

@@ -52,7 +52,7 @@ from chat_workload import (  # noqa: E402
 )
 from openvino_peer import PEER_NAME, PEER_ROWS, ensure_export, run_peer  # noqa: E402
 
-from batchinfer.engine.config import KV_CACHE_DTYPES  # noqa: E402
+from batchinfer.engine.kv_cache_dtypes import KV_CACHE_DTYPES  # noqa: E402
 from batchinfer.engine.native.cpu_features import cpu_has_amx_bf16  # noqa: E402
 
 TARGET_VS_PEER = 1.2  # issue 21: >= 1.2x OpenVINO GenAI at each precision

@@ -10,7 +10,8 @@ from typing import TypeVar, cast
 
 import click
 
-from batchinfer.engine.config import FLOAT32_MATMUL_PRECISIONS, KV_CACHE_DTYPES
+from batchinfer.engine.config import FLOAT32_MATMUL_PRECISIONS
+from batchinfer.engine.kv_cache_dtypes import KV_CACHE_DTYPES
 from batchinfer.engine_kwargs import EngineKwargs
 
 _Command = TypeVar("_Command", bound=Callable[..., object])

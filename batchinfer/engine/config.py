@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING
 
 # EngineConfig.quantization values besides None: int8 weights (fbgemm, oneDNN's on AMX), or a GGUF model's
 # own Q4_0 / Q4_1 / Q8_0 blocks; each format's loader, packer and kernel live in engine/layers/quantization.py
+from batchinfer.engine.kv_cache_dtypes import (
+    KV_CACHE_AUTO_CPU_QUANTIZED,
+    MODEL_DTYPE_KV_CACHES,
+    canonical_kv_cache_dtype,
+)
 from batchinfer.engine.layers.quantization import quantization_format, splitting_formats
 
 # tests import cpu_has_native_bf16 from here too
@@ -36,14 +41,6 @@ def canonical_dtype(value: object) -> str:
     name = DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
     if name not in DTYPES:
         raise ValueError(f"dtype: must be one of {', '.join(DTYPES)} (or vLLM's half, float); got {value!r}")
-    return name
-
-
-def canonical_kv_cache_dtype(value: str) -> str:
-    """`value` as one of KV_CACHE_DTYPES ("uint8" accepted for u8); ValueError naming the valid ones."""
-    name = "u8" if value == "uint8" else value
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}; got {value!r}")
     return name
 
 
@@ -86,19 +83,6 @@ def require_device(device: str) -> None:
                                      "--device cpu, or a cuda:N below that count")
 
 
-# "auto": KV_CACHE_AUTO_CPU_QUANTIZED on CPU under a bfloat16 model or int8 weights, else the model dtype;
-# "fp32": a float32 model's own cache (int8 weights' cache before auto became u8); the others are
-# kv_quant.FORMATS (int8: per token and head scale; u8: scale and zero point)
-KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp8_e4m3", "int8", "u8")
-# the kv_cache_dtype values that name a model dtype's own cache (unquantized): value -> that dtype's name
-MODEL_DTYPE_KV_CACHES = {"fp32": "float32", "bf16": "bfloat16"}
-# What "auto" is on CPU for a bfloat16 model or int8 weights (issue 34), OpenVINO's CPU default too. bf16
-# model: 0.99-1.25x the bf16 cache's tok/s on SmolLM2 (more the longer the contexts) with the native kernels,
-# 1.78x the tokens in the same memory (head_dim 64), at 0.18% of a fixed text's mean log-probability
-# (bench/quality.py). int8 weights (float32 activations): 1.17x the float32 cache's tok/s on an AMX CPU.
-# Resolved from the config alone, so every rank and the result-cache key agree (without the native kernels
-# the torch path reads it, slower).
-KV_CACHE_AUTO_CPU_QUANTIZED = "u8"
 # How float32 GEMMs run on a CPU with AMX bf16 tiles (torch.set_float32_matmul_precision's names):
 # "highest": IEEE float32 (panel GEMM / oneDNN); "high": each float32 as the sum of two bf16s, three bf16
 # products summed in float32 on AMX (layers/amx_linear.py has its error and speed); "auto": high for

@@ -10,7 +10,7 @@ import pytest
 
 from batchinfer.config import Settings, load_settings
 from batchinfer.config_sources import ConfigError
-from batchinfer.engine.config import KV_CACHE_DTYPES
+from batchinfer.engine.kv_cache_dtypes import KV_CACHE_DTYPES
 from tests.cli.helpers import invoke, invoke_worker_once, tiny_model_env
 from tests.workers.helpers import read_lines, write_requests
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from batchinfer.engine import LLM, SamplingParams
-from batchinfer.engine.config import KV_CACHE_AUTO_CPU_QUANTIZED, EngineConfig
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.kv_cache_dtypes import KV_CACHE_AUTO_CPU_QUANTIZED
 from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.kv_quant import FORMATS, dequantize, kv_cache_format, quantize
 from batchinfer.engine.worker.model_runner import ModelRunner

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchinfer.engine.config import MODEL_DTYPE_KV_CACHES
+from batchinfer.engine.kv_cache_dtypes import MODEL_DTYPE_KV_CACHES
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
