@@ -14,7 +14,8 @@ instead of the native kernel, over the configuration's cache: u8 codes under bfl
 weights on CPU),
 +int8=<engine> (int8's GEMM: fbgemm or onednn; default auto, oneDNN's on AMX CPUs),
 +high (float32_matmul_precision "high": float32 GEMMs in bf16x3 on AMX tiles; default highest, as generation's
-auto).
+auto), +noscreen (a float32 head's greedy rows as full float32 logits, not screened by its bf16 GEMM:
+layers/greedy_head.py).
 --profile adds a torch.profiler table of one run of each configuration, grouped into GEMMs, attention,
 elementwise/norm/rotary and the rest.
 
@@ -119,6 +120,8 @@ def main() -> None:
                           float32_matmul_precision="high" if "high" in flags else "highest")
         if "sdpa" in flags:
             llms[entry].engine.model_runner.native_decode = False
+        if "noscreen" in flags:
+            llms[entry].engine.model_runner.greedy_head = None
         cpu_attention._FUSED_OFF = "nofuse" in flags
         run_once(llms[entry], prompts[:4], params[:4])  # warm-up: kernels built, oneDNN primitives cached
     figures: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
@@ -133,6 +136,10 @@ def main() -> None:
     for entry, runs in figures.items():
         best = max(t / w for t, w, _ in runs)
         print(f"best {entry:18s} {best:7.1f} tok/s  {best / base:5.2f}x {args.configs[0]}")
+        head = llms[entry].engine.model_runner.greedy_head
+        if head is not None and head.screened_rows:
+            print(f"     {entry:18s} greedy head: {head.screened_rows} rows screened, "
+                  f"{head.candidates / head.screened_rows:.2f} candidates per row recomputed in float32")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile, record_function
 

@@ -36,7 +36,7 @@ from batchinfer.engine.outputs import RequestOutput, make_logprob_entry, make_re
 from batchinfer.engine.parallel.executor import make_model_runner
 from batchinfer.engine.sampling import prompt_logprobs
 from batchinfer.engine.sampling.logits_controls import bad_words_token_ids
-from batchinfer.engine.sampling.sampler import SampleLogprobs, Sampler
+from batchinfer.engine.sampling.sampler import SampleLogprobs, Sampler, reads_only_argmax
 from batchinfer.engine.sampling.stop import check_stop
 from batchinfer.engine.sampling.structured import GrammarBackend, GrammarState
 from batchinfer.engine.sampling.structured_requests import StructuredRequests
@@ -304,7 +304,9 @@ class Engine:
         scheduled_time = time.time()
         counts = prompt_logprobs.logits_counts(scheduled) if self._prompt_logprob_requests else None
         if speculative is None:
-            logits = self.model_runner.execute_model(scheduled, counts)
+            # plain greedy rows: a float32 head may screen them (layers/greedy_head.py)
+            plain = [] if counts else [i for i, (seq, _) in enumerate(scheduled) if reads_only_argmax(seq)]
+            logits = self.model_runner.execute_model(scheduled, counts, argmax_rows=plain)
         else:  # the drafts run as part of their sequence's chunk; k + 1 logits rows each
             counts = speculative.logits_counts(counts, len(scheduled))
             with speculative.drafts_in_token_ids():

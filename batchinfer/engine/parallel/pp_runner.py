@@ -211,9 +211,13 @@ class PipelineParallelRunner:
         raise ValueError(LORA_NEEDS_ONE_RANK)
 
     def execute_model(
-        self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None
+        self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None,
+        *, argmax_rows: Sequence[int] = (),
     ) -> torch.Tensor:
-        """Run one step through every stage; float32 logits as ModelRunner's."""
+        """Run one step through every stage; float32 logits as ModelRunner's.
+
+        argmax_rows is ignored: full logits (ModelRunnerProtocol allows it).
+        """
         runner = self._rank0()
         if self.failed is not None:
             raise self.failed

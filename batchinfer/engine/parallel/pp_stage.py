@@ -265,9 +265,13 @@ class StageRunner(ModelRunner):
         return logits.float()
 
     def execute_model(
-        self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None
+        self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None,
+        *, argmax_rows: Sequence[int] = (),
     ) -> torch.Tensor:
-        """The stage alone (the CUDA profiling forward calls this)."""
+        """The stage alone (the CUDA profiling forward calls this).
+
+        argmax_rows is ignored: full logits (ModelRunnerProtocol allows it).
+        """
         counts = None if logits_counts is None else list(logits_counts)
         return self.run_stage(list(scheduled), counts, None)
 

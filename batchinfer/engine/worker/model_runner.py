@@ -34,6 +34,7 @@ from batchinfer.engine.layers.amx_linear import with_high_precision
 from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.attention_plan import build_torch_plan
 from batchinfer.engine.layers.context import AttentionContext, set_context
+from batchinfer.engine.layers.greedy_head import GreedyHead
 from batchinfer.engine.layers.kv_quant import kv_cache_format
 from batchinfer.engine.layers.quantization import pack_weights, quantization_format
 from batchinfer.engine.layers.quantized_attention import QuantizedKV
@@ -141,6 +142,10 @@ class ModelRunner:
         self._embeddings_packed = False  # "auto": embed() has given the layers their bf16x3 kernel
         if self.float32_matmul_precision == "high":
             with_high_precision(self.model, replace=True)
+        # a float32 head's greedy rows screened by its bf16 GEMM (layers/greedy_head.py; None: not here)
+        self.greedy_head = None if self.float32_matmul_precision == "high" else GreedyHead.build(
+            getattr(self.model, "lm_head", None), dtype=self.dtype, device=self.device,
+            tensor_parallel_size=config.tensor_parallel_size)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.lora_manager = None  # adapters' weights and each step's LoRABatch, when LoRA is enabled
         if config.enable_lora:
@@ -335,12 +340,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(
-        self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None
+        self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None,
+        *, argmax_rows: Sequence[int] = (),
     ) -> torch.Tensor:
         """Run one step; float32 logits of each entry's last scheduled token.
 
         logits_counts[i] (default 1 each) asks for the logits of entry i's last c scheduled tokens instead:
-        the rows come back in batch order, entry by entry, [sum(logits_counts), vocab].
+        the rows come back in batch order, entry by entry, [sum(logits_counts), vocab]. argmax_rows: rows
+        whose reader takes only the argmax, which may come back screened (ModelRunnerProtocol).
         """
         if not scheduled:
             return torch.empty(0, self.hf_config.vocab_size, dtype=torch.float32, device=self.device)
@@ -360,7 +367,10 @@ class ModelRunner:
             finally:
                 set_context(None)
             hidden = hidden.index_select(0, batch.logits_indices)
-        return cast("LlamaForCausalLM", self.model).compute_logits(hidden).float()
+        head = cast("LlamaForCausalLM", self.model).compute_logits
+        if self.greedy_head is not None and argmax_rows:
+            return self.greedy_head.logits(hidden, argmax_rows, head)
+        return head(hidden).float()
 
     @torch.inference_mode()
     def embed(self, token_id_lists: Sequence[list[int]]) -> list[list[float]]:

@@ -61,3 +61,10 @@ bool amx_gemm_built();  // compiled with AMX bf16 and granted the tile state (am
 torch::Tensor pack_amx_weight(torch::Tensor weight);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                          int64_t out_features);
+
+// greedy_head.cpp
+// Greedy rows of a float32 LM head: out[rows[r]] = x[r] . w_v for the tokens v that can be row r's argmax
+// (screened from approx[r], the bf16 GEMM of the row), -inf for the others; returns the candidates counted.
+int64_t screen_argmax_logits(torch::Tensor out, torch::Tensor approx, torch::Tensor x, torch::Tensor weight,
+                             torch::Tensor weight_norms, torch::Tensor rows, double rel_slack,
+                             double out_slack);
