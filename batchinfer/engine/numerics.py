@@ -16,5 +16,6 @@ workers read it without torch.
 # 6: float32 linears run the panel GEMM on AVX-512 CPUs too (14 x 32 tiles); int8 weights take float32
 #    activations and a u8 KV cache by default on CPU, through oneDNN's int8 GEMM on AMX CPUs.
 # 7: a float32 model's plain greedy rows take the argmax of the candidates a bf16 GEMM of the head screens,
-#    their logits summed by greedy_head.cpp's dot product, not the head's GEMM (CPUs with a native bf16 GEMM).
+#    their logits summed by greedy_head.cpp's dot product, not the head's GEMM (CPUs with a native bf16 GEMM);
+#    float32 linears run the panel GEMM on AVX-512 CPUs without AMX too.
 ENGINE_NUMERICS_VERSION = 7

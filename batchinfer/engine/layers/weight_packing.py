@@ -20,7 +20,7 @@ panel GEMM (PanelLinear, csrc/panel_gemm.cpp): oneDNN's AVX2 GEMM paid a decode 
 traffic and its arithmetic one after the other, the panel GEMM streams each weight once per step beside
 the arithmetic (a step's 121 GEMMs of SmolLM2 on the AVX2 bench machine: 24 vs 36 ms at 1 row, 70 vs 95 ms
 at 32, 176 vs 262 ms at 96), and a bf16 weight stays bf16 in memory, widened in registers. On an AVX-512
-CPU with AMX it runs float32 (14 x 32 tiles; panel_gemm_preferred says why and where not).
+CPU it runs float32 (14 x 32 tiles; panel_gemm_preferred says why and where not).
 
 pack_linears(model, kernels) sets each LinearBase / ParallelLMHead's `packed` callable (x -> y with its
 bias), the kernel the weight format chooses (layers/quantization.py: dense, int8, gguf); the modules fall
@@ -119,13 +119,13 @@ def panel_extension() -> Any:
 
 def panel_gemm_preferred(dtype: torch.dtype) -> bool:
     """True where "auto" picks the panel GEMM for weights of this dtype (its build has it: AVX2 + FMA):
-    float32 / bfloat16 on a CPU without AVX-512, float32 on an AVX-512 CPU with AMX tiles.
+    float32 / bfloat16 on a CPU without AVX-512, float32 on an AVX-512 one.
 
-    On an AMX Xeon its 14-row x 32-column AVX-512 tile beat oneDNN's fp32 GEMM over a SmolLM2 step from 1
-    to 256 rows (1.06-1.43x, bench/panel_gemm.py) and came within 0.95x at 512 (prefill, embedding
-    batches): the chat bench ran 1.18-1.23x faster, bench/embeddings.py level (54.9 s against 54.2 s).
-    Other AVX-512 CPUs (AMD's: half-width FMAs, slower gathers, 1 MiB L2) keep oneDNN until measured there
-    (the earlier one-panel tile ran their embeddings 0.91x). bf16 on AVX-512 stays on oneDNN's bf16 GEMM
+    Its 14-row x 32-column AVX-512 tile beat oneDNN's fp32 GEMM over a SmolLM2 step on both AVX-512 CPUs
+    measured (bench/panel_gemm.py): on an AMX Xeon 1.06-1.43x from 1 to 256 rows, 0.95x at 512; on an
+    AVX-512 EPYC (Zen 4: half-width FMAs, 1 MiB L2) 1.12-1.66x from 1 to 96 rows, 0.97-1.09x from 128 to
+    1024. The chat bench ran 1.18-1.23x (Xeon) and 1.04x (EPYC) faster, bench/embeddings.py level on both
+    (EPYC: 97.4 / 92.3 s against oneDNN's 98.8 / 92.4 s). bf16 on AVX-512 stays on oneDNN's bf16 GEMM
     (avx512_bf16 / AMX dot products; the panel GEMM widens to float32).
     """
     if dtype not in PANEL_DTYPES or panel_extension() is None:
@@ -133,9 +133,7 @@ def panel_gemm_preferred(dtype: torch.dtype) -> bool:
     flags = cpu_flags()
     if not {"avx2", "fma"} <= flags:
         return False
-    if "avx512f" not in flags:
-        return True
-    return dtype == torch.float32 and "amx_tile" in flags
+    return "avx512f" not in flags or dtype == torch.float32
 
 
 def panel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:
