@@ -306,7 +306,7 @@ class Engine:
         if speculative is None:
             # plain greedy rows: a float32 head may screen them (layers/greedy_head.py)
             plain = [] if counts else [i for i, (seq, _) in enumerate(scheduled) if reads_only_argmax(seq)]
-            logits = self.model_runner.execute_model(scheduled, counts, argmax_rows=plain)
+            logits = self.model_runner.execute_model(scheduled, counts, argmax_only_rows=plain)
         else:  # the drafts run as part of their sequence's chunk; k + 1 logits rows each
             counts = speculative.logits_counts(counts, len(scheduled))
             with speculative.drafts_in_token_ids():

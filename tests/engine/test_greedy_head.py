@@ -12,11 +12,13 @@ import torch
 from batchinfer.engine import SamplingParams
 from batchinfer.engine.layers.greedy_head import GreedyHead, screen_extension, screen_slack
 from batchinfer.engine.layers.weight_packing import onednn_supports
+from batchinfer.engine.native.cpu_features import cpu_has_native_bf16
 from batchinfer.engine.sampling.sampler import reads_only_argmax
 
 ext = screen_extension()
 needs_kernel = pytest.mark.skipif(ext is None, reason="the native CPU kernels are not built here")
-needs_bf16_gemm = pytest.mark.skipif(not onednn_supports(torch.bfloat16), reason="no native bf16 GEMM here")
+native_bf16 = cpu_has_native_bf16() and onednn_supports(torch.bfloat16)
+needs_bf16_gemm = pytest.mark.skipif(ext is None or not native_bf16, reason="no native bf16 GEMM here")
 
 
 def _bf16_approx(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -27,11 +29,11 @@ def _bf16_approx(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _screen(x: torch.Tensor, weight: torch.Tensor,
             approx: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     out = torch.full((x.shape[0], weight.shape[0]), 7.0)
-    rel, out_rel = screen_slack(weight.shape[1])
+    rel, out_rel, denormal = screen_slack(weight.shape[1])
     approx = _bf16_approx(x, weight) if approx is None else approx
     found = ext.screen_argmax_logits(out, approx, x.contiguous(), weight.contiguous(),
                                      weight.double().norm(dim=1).float(), torch.arange(x.shape[0]), rel,
-                                     out_rel)
+                                     out_rel, denormal)
     return out, found
 
 
@@ -99,7 +101,24 @@ def test_odd_sizes_and_float32_approximations() -> None:
     assert torch.equal(out.argmax(dim=1), (x.double() @ weight.double().T).argmax(dim=1))
 
 
-@needs_kernel
+@needs_bf16_gemm
+@pytest.mark.parametrize("seed", [7, 8])
+def test_the_onednn_approximation_stays_within_half_the_bound(seed: int) -> None:
+    """The bound assumes float32 sums in oneDNN's bf16 GEMM: its real output, not a torch stand-in."""
+    x, weight = _near_tie_case(seed)
+    x[0] = 0.0
+    x[1, ::2] = 1e-39  # denormal inputs
+    x[2] *= 1e4
+    head = GreedyHead(weight, ext)
+    approx = head.approx(x.bfloat16()).float()
+    exact = x.double() @ weight.double().T
+    rel, out_rel, denormal = screen_slack(weight.shape[1])
+    norm_x, norm_w, k = x.double().norm(dim=1, keepdim=True), head.norms.double(), weight.shape[1]
+    bound = (rel * norm_x * norm_w + out_rel * approx.double().abs()
+             + denormal * (k**0.5 * (norm_x + norm_w) + 2 * k + 2))
+    assert bool(((approx.double() - exact).abs() <= bound / 2).all())
+
+
 @needs_bf16_gemm
 def test_mixed_steps_screen_only_the_named_rows() -> None:
     x, weight = _near_tie_case(6, rows=6)
@@ -112,7 +131,7 @@ def test_mixed_steps_screen_only_the_named_rows() -> None:
         assert bool((out[row] == float("-inf")).any())
         assert int(out[row].argmax()) == int((x[row].double() @ weight.double().T).argmax())
     assert head.screened_rows == 2
-    with pytest.raises(ValueError, match="argmax_rows"):
+    with pytest.raises(ValueError, match="argmax_only_rows"):
         head.logits(x, [6], full)
     assert torch.equal(head.logits(x, [], full), x @ weight.T)
 
@@ -122,13 +141,15 @@ def test_the_screen_is_built_for_float32_heads_only() -> None:
     lm_head = torch.nn.Linear(16, 50, bias=False)
     lm_head.weight.data = weight
     cpu = torch.device("cpu")
-    assert GreedyHead.build(lm_head, dtype=torch.bfloat16, device=cpu, tensor_parallel_size=1) is None
-    assert GreedyHead.build(lm_head, dtype=torch.float32, device=cpu, tensor_parallel_size=2) is None
-    assert GreedyHead.build(None, dtype=torch.float32, device=cpu, tensor_parallel_size=1) is None
-    built = GreedyHead.build(lm_head, dtype=torch.float32, device=cpu, tensor_parallel_size=1)
-    assert (built is not None) == (ext is not None and onednn_supports(torch.bfloat16))
+    plain = {"device": cpu, "quantization": None, "tensor_parallel_size": 1}
+    assert GreedyHead.build(lm_head, **{**plain, "dtype": torch.bfloat16}) is None
+    assert GreedyHead.build(lm_head, dtype=torch.float32, **{**plain, "tensor_parallel_size": 2}) is None
+    assert GreedyHead.build(lm_head, dtype=torch.float32, **{**plain, "quantization": "int8"}) is None
+    assert GreedyHead.build(None, dtype=torch.float32, **plain) is None
+    built = GreedyHead.build(lm_head, dtype=torch.float32, **plain)
+    assert (built is not None) == (ext is not None and native_bf16)
     lm_head.weight.data[3, 2] = float("inf")
-    assert GreedyHead.build(lm_head, dtype=torch.float32, device=cpu, tensor_parallel_size=1) is None
+    assert GreedyHead.build(lm_head, dtype=torch.float32, **plain) is None
 
 
 class _Row:
@@ -180,3 +201,9 @@ def test_engine_outputs_equal_the_unscreened_engine(tiny_llama: Path, make_llm) 
         for token_id, figure in step.items():
             assert figure.logprob == pytest.approx(ref[token_id].logprob, abs=1e-5)
     assert screened.engine.model_runner.greedy_head.screened_rows > 0
+
+
+@needs_bf16_gemm
+def test_int8_engines_keep_their_int8_head(tiny_llama: Path, make_llm) -> None:
+    """An int8 engine's float32 head weight is only its tied table: its greedy rows run its int8 head."""
+    assert make_llm(tiny_llama, quantization="int8").engine.model_runner.greedy_head is None

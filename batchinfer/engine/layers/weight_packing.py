@@ -46,7 +46,7 @@ from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.cpu_attention import fused_ops_for
 from batchinfer.engine.native.cpu_features import CPU_LINEAR_ENV, cpu_flags, cpu_has_vnni
 
-# "auto" (default: "panel" on AVX2-only CPUs, and for float32 on AMX ones; else "onednn"), "onednn",
+# "auto" (default: "panel" on AVX2-only CPUs, and for float32 on AVX-512 ones; else "onednn"), "onednn",
 # "panel" or "aten" (plain F.linear)
 CPU_LINEAR_MODES = ("auto", "onednn", "panel", "aten")
 # int8's GEMM, torch's quantized engine the weights are packed for: "auto" (default: "onednn" on a CPU with

@@ -212,11 +212,11 @@ class PipelineParallelRunner:
 
     def execute_model(
         self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None,
-        *, argmax_rows: Sequence[int] = (),
+        *, argmax_only_rows: Sequence[int] = (),
     ) -> torch.Tensor:
         """Run one step through every stage; float32 logits as ModelRunner's.
 
-        argmax_rows is ignored: full logits (ModelRunnerProtocol allows it).
+        argmax_only_rows is ignored: full logits (ModelRunnerProtocol allows it).
         """
         runner = self._rank0()
         if self.failed is not None:

@@ -222,7 +222,7 @@ class StageRunner(ModelRunner):
     def __init__(self, config: EngineConfig, model: ResolvedModel, stage: PipelineStage) -> None:
         """CUDA graphs capture whole-model forwards, so a stage runs eagerly."""
         self.stage = stage
-        super().__init__(dataclasses.replace(config, enforce_eager=True), model)
+        super().__init__(dataclasses.replace(config, enforce_eager=True), model, screen_greedy_rows=False)
         # Every stage must hold the same block ids: agree on the smallest count over the whole pipeline.
         agreed = _world_min(self.num_kv_blocks, self.device)
         if agreed != self.num_kv_blocks:
@@ -266,11 +266,11 @@ class StageRunner(ModelRunner):
 
     def execute_model(
         self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None,
-        *, argmax_rows: Sequence[int] = (),
+        *, argmax_only_rows: Sequence[int] = (),
     ) -> torch.Tensor:
         """The stage alone (the CUDA profiling forward calls this).
 
-        argmax_rows is ignored: full logits (ModelRunnerProtocol allows it).
+        argmax_only_rows is ignored: full logits (ModelRunnerProtocol allows it).
         """
         counts = None if logits_counts is None else list(logits_counts)
         return self.run_stage(list(scheduled), counts, None)

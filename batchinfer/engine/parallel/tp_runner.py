@@ -189,11 +189,11 @@ class TensorParallelRunner:
 
     def execute_model(
         self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None,
-        *, argmax_rows: Sequence[int] = (),
+        *, argmax_only_rows: Sequence[int] = (),
     ) -> torch.Tensor:
         """Publish the step to the workers, run rank 0's share; float32 logits as ModelRunner's.
 
-        argmax_rows is ignored: full logits (ModelRunnerProtocol allows it).
+        argmax_only_rows is ignored: full logits (ModelRunnerProtocol allows it).
         """
         runner, channel = self._rank0(), self._channel()
         scheduled = list(scheduled)

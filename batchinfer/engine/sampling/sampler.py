@@ -201,8 +201,8 @@ def reads_only_argmax(row: SampledRow) -> bool:
     """True when this row's token is the argmax of its raw logits and nothing else of them is read.
 
     Greedy, with no logprobs, logits controls, penalties or grammar, and no min_tokens ban in force: the
-    runner may then hand back the row screened (ModelRunnerProtocol.execute_model's argmax_rows). Anything
-    new that reads or changes a greedy row's logits must make this False for it.
+    runner may then hand back the row screened (ModelRunnerProtocol.execute_model's argmax_only_rows).
+    Anything new that reads or changes a greedy row's logits must make this False for it.
     """
     p = row.params
     return (p.is_greedy and p.logprobs is None and p.prompt_logprobs is None and not p.has_penalties

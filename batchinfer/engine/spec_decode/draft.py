@@ -73,7 +73,7 @@ class DraftModelProposer:
                 f"target's ({vocab_size}); a draft must share the target's tokenizer"
             )
         self.k = spec.num_speculative_tokens
-        self.runner = ModelRunner(config, model)
+        self.runner = ModelRunner(config, model, screen_greedy_rows=False)  # its logits are sampled whole
         self.max_num_batched_tokens = self.runner.step_tokens  # on a CPU the draft MLP's cut (step_budget.py)
         self.generator = torch.Generator(device=self.runner.device)
         self.generator.manual_seed(target_config.seed + 1)

@@ -101,8 +101,13 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
 class ModelRunner:
     """Loads the model, allocates the KV cache, and runs one scheduled step at a time."""
 
-    def __init__(self, config: EngineConfig, model: ResolvedModel | None = None) -> None:
-        """model: resolved by the Engine; None resolves config.model here (a runner on its own)."""
+    def __init__(self, config: EngineConfig, model: ResolvedModel | None = None, *,
+                 screen_greedy_rows: bool = True) -> None:
+        """model: resolved by the Engine; None resolves config.model here (a runner on its own).
+
+        screen_greedy_rows: give a float32 head its greedy screen (False where no caller names argmax-only
+        rows: a draft model, a pipeline stage).
+        """
         if model is None:
             model = resolve_model(config, with_tokenizer=False)
         self.config = config
@@ -143,9 +148,10 @@ class ModelRunner:
         if self.float32_matmul_precision == "high":
             with_high_precision(self.model, replace=True)
         # a float32 head's greedy rows screened by its bf16 GEMM (layers/greedy_head.py; None: not here)
-        self.greedy_head = None if self.float32_matmul_precision == "high" else GreedyHead.build(
-            getattr(self.model, "lm_head", None), dtype=self.dtype, device=self.device,
-            tensor_parallel_size=config.tensor_parallel_size)
+        self.greedy_head = None if self.float32_matmul_precision == "high" or not screen_greedy_rows else (
+            GreedyHead.build(getattr(self.model, "lm_head", None), dtype=self.dtype, device=self.device,
+                             quantization=config.quantization,
+                             tensor_parallel_size=config.tensor_parallel_size))
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.lora_manager = None  # adapters' weights and each step's LoRABatch, when LoRA is enabled
         if config.enable_lora:
@@ -341,12 +347,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(
         self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None,
-        *, argmax_rows: Sequence[int] = (),
+        *, argmax_only_rows: Sequence[int] = (),
     ) -> torch.Tensor:
         """Run one step; float32 logits of each entry's last scheduled token.
 
         logits_counts[i] (default 1 each) asks for the logits of entry i's last c scheduled tokens instead:
-        the rows come back in batch order, entry by entry, [sum(logits_counts), vocab]. argmax_rows: rows
+        the rows come back in batch order, entry by entry, [sum(logits_counts), vocab]. argmax_only_rows: rows
         whose reader takes only the argmax, which may come back screened (ModelRunnerProtocol).
         """
         if not scheduled:
@@ -368,8 +374,8 @@ class ModelRunner:
                 set_context(None)
             hidden = hidden.index_select(0, batch.logits_indices)
         head = cast("LlamaForCausalLM", self.model).compute_logits
-        if self.greedy_head is not None and argmax_rows:
-            return self.greedy_head.logits(hidden, argmax_rows, head)
+        if self.greedy_head is not None and argmax_only_rows:
+            return self.greedy_head.logits(hidden, argmax_only_rows, head)
         return head(hidden).float()
 
     @torch.inference_mode()

@@ -70,13 +70,13 @@ class ModelRunnerProtocol(Protocol):
 
     def execute_model(
         self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None,
-        *, argmax_rows: Sequence[int] = (),
+        *, argmax_only_rows: Sequence[int] = (),
     ) -> torch.Tensor:
         """Run one step of (sequence, new tokens); float32 logits [sum(logits_counts), vocab].
 
         logits_counts[i]: the logits of entry i's last c scheduled tokens (default 1 each), entry by entry;
         prompt logprobs (prompt_logprobs.py) and speculative verification ask for more than one.
-        argmax_rows: logits rows whose reader takes only the argmax (Sampler.reads_only_argmax). A runner
+        argmax_only_rows: logits rows whose reader takes only the argmax (sampler.reads_only_argmax). A runner
         may return them screened: -inf except for the tokens that can be the row's float32 argmax, which
         hold their float32 logits (layers/greedy_head.py); a runner that does not screen ignores it.
         """

@@ -67,4 +67,4 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
 // (screened from approx[r], the bf16 GEMM of the row), -inf for the others; returns the candidates counted.
 int64_t screen_argmax_logits(torch::Tensor out, torch::Tensor approx, torch::Tensor x, torch::Tensor weight,
                              torch::Tensor weight_norms, torch::Tensor rows, double rel_slack,
-                             double out_slack);
+                             double out_slack, double denormal_slack);
