@@ -39,10 +39,10 @@ def test_request_that_makes_the_engine_raise_is_errored_and_the_rest_succeed(
     poison_len = len(runner.engine.tokenize(POISON))
     real_execute = runner.engine.model_runner.execute_model
 
-    def execute(scheduled, logits_counts=None):  # noqa: ANN001, ANN202 - fault injection around the real model
+    def execute(scheduled, logits_counts=None, **options):  # noqa: ANN001, ANN003, ANN202 - fault injection
         if any(len(seq.token_ids) >= poison_len for seq, _ in scheduled):
             raise RuntimeError("simulated kernel failure")
-        return real_execute(scheduled, logits_counts)
+        return real_execute(scheduled, logits_counts, **options)
 
     runner.engine.model_runner.execute_model = execute
     stats = run_job(job_id=job.id, runner=runner)

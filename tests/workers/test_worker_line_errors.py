@@ -43,10 +43,10 @@ def test_worker_side_request_errors_start_with_their_line(sqlite_url: str, tmp_p
     poison_len = len(runner.engine.tokenize("poison " * 40))
     real_execute = runner.engine.model_runner.execute_model
 
-    def execute(scheduled, logits_counts=None):  # noqa: ANN001, ANN202 - fault injection around the real model
+    def execute(scheduled, logits_counts=None, **options):  # noqa: ANN001, ANN003, ANN202 - fault injection
         if any(len(seq.token_ids) >= poison_len for seq, _ in scheduled):
             raise RuntimeError("simulated kernel failure")
-        return real_execute(scheduled, logits_counts)
+        return real_execute(scheduled, logits_counts, **options)
 
     runner.engine.model_runner.execute_model = execute
     run_job(job_id=job.id, runner=runner)
