@@ -85,19 +85,18 @@ class GreedyHead:
                full: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """float32 [rows, vocab]: argmax_only_rows screened (-inf but candidates), the others full(hidden)."""
         num_rows, vocab = hidden.shape[0], self.weight.shape[0]
-        screened = sorted(set(argmax_only_rows))
-        if screened and not 0 <= screened[0] <= screened[-1] < num_rows:
+        chosen = set(argmax_only_rows)
+        if not chosen:
+            return full(hidden).float()
+        screened = sorted(chosen)
+        if not 0 <= screened[0] <= screened[-1] < num_rows:
             raise ValueError(f"argmax_only_rows: rows {screened[0]}..{screened[-1]} of a step of {num_rows} "
                              "rows")
-        if not screened:
-            return full(hidden).float()
         out = torch.empty(num_rows, vocab, dtype=torch.float32)
-        chosen = set(screened)
         others = [row for row in range(num_rows) if row not in chosen]
         if others:
             out[others] = full(hidden[others]).float()
-        x = hidden if not others else hidden[screened]
-        x = x.float().contiguous()
+        x = (hidden[screened] if others else hidden).float().contiguous()
         approx = self.approx(x.to(torch.bfloat16))
         rows = torch.tensor(screened, dtype=torch.int64)
         self.candidates += int(self._ext.screen_argmax_logits(out, approx, x, self.weight, self.norms, rows,
