@@ -55,7 +55,7 @@ class StopLengthForward:
         self.stop_lengths = stop_lengths
         self.calls = 0
 
-    def __call__(self, scheduled, logits_counts=None) -> torch.Tensor:
+    def __call__(self, scheduled, logits_counts=None, *, argmax_only_rows=()) -> torch.Tensor:
         self.calls += 1
         rows = len(scheduled)
         if rows > self.logits.shape[0]:

@@ -60,10 +60,10 @@ def measure_engine(
     samples: list[dict[str, float]] = []
     prefills: list[float] = []
 
-    def timed_execute(scheduled, logits_counts=None):
+    def timed_execute(scheduled, logits_counts=None, **options):
         before = dataclasses.replace(PIPE_STATS)
         start = time.perf_counter()
-        logits = inner_execute(scheduled, logits_counts)
+        logits = inner_execute(scheduled, logits_counts, **options)
         elapsed = time.perf_counter() - start
         if scheduled and all(n > 1 for _, n in scheduled):
             prefills.append(elapsed)

@@ -54,9 +54,9 @@ def main() -> None:
     totals = {"step": 0.0}
     execute, step = runner.execute_model, engine.step
 
-    def timed_execute(scheduled: Sequence, logits_counts: Sequence[int] | None = None):  # type: ignore[no-untyped-def]
+    def timed_execute(scheduled: Sequence, logits_counts: Sequence[int] | None = None, **options):  # type: ignore[no-untyped-def]
         start, cpu_start = time.perf_counter(), cpu_seconds()
-        logits = execute(scheduled, logits_counts)
+        logits = execute(scheduled, logits_counts, **options)  # argmax_only_rows passes through
         steps.append((len(scheduled), sum(n for _, n in scheduled), time.perf_counter() - start,
                       cpu_seconds() - cpu_start))
         return logits

@@ -48,11 +48,11 @@ def measure_engine(model: str, tp: int, num_seqs: int, steps: int) -> dict[str, 
     inner_execute = runner.execute_model
     samples: list[dict[str, float]] = []
 
-    def timed_execute(scheduled, logits_counts=None):
+    def timed_execute(scheduled, logits_counts=None, **options):
         before = (COMM_STATS.all_reduce_s, COMM_STATS.all_reduce_calls, COMM_STATS.gather_s,
                   COMM_STATS.broadcast_s)
         start = time.perf_counter()
-        logits = inner_execute(scheduled, logits_counts)
+        logits = inner_execute(scheduled, logits_counts, **options)
         elapsed = time.perf_counter() - start
         if scheduled and all(n == 1 for _, n in scheduled):
             samples.append({
