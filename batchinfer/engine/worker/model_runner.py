@@ -1,19 +1,11 @@
 """ModelRunner: owns the model and its paged KV cache; turns a scheduled batch into logits.
 
-One step (ARCHITECTURE.md, contract 3): for each (seq, n) the tokens seq.token_ids[c : c + n] (c =
-seq.num_computed_tokens) run at positions c .. c + n - 1; their K/V go to the cache slots of
-seq.block_table; every query attends causally to all earlier positions of its sequence. The runner
-packs all sequences' tokens into one flat batch and builds, once per step, the layout tensors the
-attention layers read from the per-step context:
+One step (ARCHITECTURE.md, contract 3) packs all sequences' new tokens into one flat batch with the layout
+tensors the attention layers read from the per-step context (step_batch.py).
 
-  input_ids, positions  [T]        packed new tokens of all sequences
-  slot_mapping          [T] int64  block_table[pos // block_size] * block_size + pos % block_size
-  cu_seqlens_q          [S+1] int32 prefix sums of the per-sequence new-token counts
-  seq_lens              [S] int32  c + n, the context after this step
-  block_tables          [S, max_blocks] int32, padded with -1
-
-CPU runs the torch attention path and never touches CUDA. CUDA runs the Triton kernels, sizes the KV cache
-from gpu_memory_utilization after a profiling forward at max_num_batched_tokens, and replays CUDA graphs
+CPU runs the torch attention path and never touches CUDA; its packed weights and KV cache sit on huge pages
+where the system grants them (huge_pages.py). CUDA runs the Triton kernels, sizes the KV cache from
+gpu_memory_utilization after a profiling forward at max_num_batched_tokens, and replays CUDA graphs
 captured at start for decode-only steps (batch sizes 1, 2, 4, 8, ... up to max_num_seqs; cuda_graphs.py).
 """
 
@@ -23,7 +15,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -32,8 +24,7 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.amx_linear import with_high_precision
 from batchinfer.engine.layers.attention import Attention
-from batchinfer.engine.layers.attention_plan import build_torch_plan
-from batchinfer.engine.layers.context import AttentionContext, set_context
+from batchinfer.engine.layers.context import set_context
 from batchinfer.engine.layers.greedy_head import GreedyHead
 from batchinfer.engine.layers.kv_quant import kv_cache_format
 from batchinfer.engine.layers.quantization import pack_weights, quantization_format
@@ -44,7 +35,9 @@ from batchinfer.engine.models.resolved_model import ResolvedModel, resolve_model
 from batchinfer.engine.parallel.distributed import all_reduce_min_int
 from batchinfer.engine.worker.cuda_graphs import DecodeGraphs
 from batchinfer.engine.worker.embed_forward import embed_batched
+from batchinfer.engine.worker.huge_pages import huge_page_zeros, place_packed_weights
 from batchinfer.engine.worker.native_step import NativeStep
+from batchinfer.engine.worker.step_batch import StepBatch, build_step_batch
 from batchinfer.engine.worker.step_budget import step_token_budget
 
 if TYPE_CHECKING:  # the one architecture; imported for types only
@@ -53,18 +46,6 @@ if TYPE_CHECKING:  # the one architecture; imported for types only
     from batchinfer.engine.worker.runner_protocol import ScheduledSequence
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _StepBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    logits_indices: torch.Tensor
-    context: AttentionContext
-    num_seqs: int
-    is_decode_only: bool
-    block_table_rows: list[list[int]] = field(default_factory=list)
-    seq_lens_list: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -147,6 +128,8 @@ class ModelRunner:
         self._embeddings_packed = False  # "auto": embed() has given the layers their bf16x3 kernel
         if self.float32_matmul_precision == "high":
             with_high_precision(self.model, replace=True)
+        if self.device.type == "cpu":  # before the native step takes the packs (huge_pages.py)
+            place_packed_weights(self.model)
         # a float32 head's greedy rows screened by its bf16 GEMM (layers/greedy_head.py; None: not here)
         self.greedy_head = None if self.float32_matmul_precision == "high" or not screen_greedy_rows else (
             GreedyHead.build(getattr(self.model, "lm_head", None), dtype=self.dtype, device=self.device,
@@ -219,13 +202,12 @@ class ModelRunner:
         NaN bit patterns, which survive the mask (NaN + -inf = NaN) and would poison the softmax.
         """
         fmt = self.kv_format
-        cache = torch.zeros(
-            len(self.attention_layers), 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-            dtype=self.dtype if fmt is None else fmt.storage, device=self.device,
-        )
-        params = None if fmt is None or not fmt.num_params else torch.zeros(
-            len(self.attention_layers), 2, num_blocks, self.block_size, self.num_kv_heads, fmt.num_params,
-            dtype=torch.float32, device=self.device)
+        layers = len(self.attention_layers)
+        shape = (layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        params_shape = None if fmt is None or not fmt.num_params else (*shape[:-1], fmt.num_params)
+        dtype = self.dtype if fmt is None else fmt.storage
+        cache = self._zeros(shape, dtype)
+        params = None if params_shape is None else self._zeros(params_shape, torch.float32)
         for layer, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = cache[layer, 0], cache[layer, 1]
             if fmt is not None:
@@ -233,6 +215,12 @@ class ModelRunner:
                                                 None if params is None else params[layer, 0],
                                                 None if params is None else params[layer, 1])
         return cache
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled cache tensor (on a CPU: on huge pages where granted, huge_pages.py)."""
+        if self.device.type == "cpu":
+            return huge_page_zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def _profile_num_kv_blocks(self) -> int:
         """Blocks that fit in gpu_memory_utilization after the weights and a max_num_batched_tokens step."""
@@ -276,72 +264,11 @@ class ModelRunner:
 
     def _prepare(
         self, scheduled: Sequence[tuple[ScheduledSequence, int]], logits_counts: Sequence[int] | None = None
-    ) -> _StepBatch:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        q_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        for seq, num_new in scheduled:
-            start = seq.num_computed_tokens
-            end = start + num_new
-            if num_new < 1 or end > len(seq.token_ids):
-                raise ValueError(
-                    f"scheduled {num_new} tokens from position {start} of a sequence with "
-                    f"{len(seq.token_ids)} tokens: need 1 <= n <= len(token_ids) - num_computed_tokens"
-                )
-            if end > self.max_model_len:
-                raise ValueError(f"sequence reaches position {end} > max_model_len {self.max_model_len}")
-            if len(seq.block_table) * bs < end:
-                raise ValueError(
-                    f"block_table holds {len(seq.block_table)} blocks ({len(seq.block_table) * bs} slots) "
-                    f"but the step needs {end} positions; the block manager must allocate before the step"
-                )
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            q_lens.append(num_new)
-            seq_lens.append(end)
-            tables.append(seq.block_table)
-        num_seqs = len(scheduled)
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-        positions_t = torch.tensor(positions, dtype=torch.long)
-        q_lens_t = torch.tensor(q_lens, dtype=torch.long)
-        seq_index = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
-        slot_mapping = block_tables[seq_index, positions_t // bs].long() * bs + positions_t % bs
-        cu_seqlens_q = torch.zeros(num_seqs + 1, dtype=torch.int32)
-        torch.cumsum(q_lens_t, 0, out=cu_seqlens_q[1:])
-        logits_indices = cu_seqlens_q[1:].long() - 1
-        if logits_counts is not None:
-            logits_indices = _last_positions(logits_indices, logits_counts, q_lens)
-        device = self.device
-        plan = None
-        if self.attention_backend == "torch":
-            plan = build_torch_plan(
-                q_lens=q_lens, seq_lens=seq_lens, block_tables=tables, slot_mapping=slot_mapping.to(device),
-                block_size=bs, dtype=self.dtype, device=device, native_decode=self.native_decode,
-            )
-        context = AttentionContext(
-            slot_mapping=_to(slot_mapping, device),
-            cu_seqlens_q=_to(cu_seqlens_q, device),
-            seq_lens=_to(torch.tensor(seq_lens, dtype=torch.int32), device),
-            block_tables=_to(block_tables, device),
-            max_seqlen_q=max(q_lens),
-            max_seqlen_k=max(seq_lens),
-            backend=self.attention_backend,
-            torch_plan=plan,
-            lora=None if self.lora_manager is None else self.lora_manager.batch_for(scheduled),
-        )
-        return _StepBatch(
-            input_ids=_to(torch.tensor(input_ids, dtype=torch.long), device),
-            positions=_to(positions_t, device),
-            logits_indices=_to(logits_indices, device),
-            context=context,
-            num_seqs=num_seqs,
-            is_decode_only=max(q_lens) == 1,
-            block_table_rows=tables,
-            seq_lens_list=seq_lens,
+    ) -> StepBatch:
+        return build_step_batch(
+            scheduled, logits_counts, block_size=self.block_size, max_model_len=self.max_model_len,
+            attention_backend=self.attention_backend, native_decode=self.native_decode, dtype=self.dtype,
+            device=self.device, lora_manager=self.lora_manager,
         )
 
     @torch.inference_mode()
@@ -393,21 +320,3 @@ class ModelRunner:
         return embed_batched(self.model, token_id_lists, self.device, self.step_tokens,
                              float32_matmul_high=high)
 
-
-def _last_positions(last: torch.Tensor, counts: Sequence[int], q_lens: list[int]) -> torch.Tensor:
-    """Flat token indices of each entry's last counts[i] tokens, entry by entry ([sum(counts)] int64)."""
-    if len(counts) != len(q_lens):
-        raise ValueError(f"logits_counts has {len(counts)} entries for a step of {len(q_lens)} sequences")
-    for count, q_len in zip(counts, q_lens, strict=True):
-        if not 1 <= count <= q_len:
-            raise ValueError(f"logits_counts: {count} logits asked of an entry of {q_len} scheduled tokens")
-    counts_t = torch.tensor(counts, dtype=torch.long)
-    ends = torch.repeat_interleave(last + 1, counts_t)
-    offsets = torch.arange(int(counts_t.sum())) - torch.repeat_interleave(torch.cumsum(counts_t, 0), counts_t)
-    return ends + offsets
-
-
-def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,105 @@
+"""worker/huge_pages.py: packed weights and the KV cache on transparent huge pages, the same values either
+way, and ordinary tensors where the system grants no huge pages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.layers.weight_packing import PanelLinear
+from batchinfer.engine.worker import huge_pages
+from batchinfer.engine.worker.model_runner import ModelRunner
+
+
+def anon_huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping of this process that holds address (0 if none)."""
+    current = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            current = start <= address < end
+        elif current and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.fixture
+def no_huge_pages(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(huge_pages, "THP_SETTING", setting)
+    huge_pages.huge_pages_available.cache_clear()
+    yield
+    huge_pages.huge_pages_available.cache_clear()
+
+
+needs_huge_pages = pytest.mark.skipif(not huge_pages.huge_pages_available(),
+                                      reason="transparent_hugepage is 'never' (or absent) here")
+
+
+def test_placed_tensors_are_equal_copies_each_on_a_page() -> None:
+    tensors = [torch.randn(10, 3), torch.arange(7), torch.randn(5, 4).bfloat16(), torch.randn(3, 2).t()]
+    placed = huge_pages.place_on_huge_pages(tensors)
+    if placed is None:
+        pytest.skip("no huge pages here")
+    for before, after in zip(tensors, placed, strict=True):
+        assert after.dtype == before.dtype and after.shape == before.shape and after.is_contiguous()
+        assert torch.equal(after, before)
+        assert after.data_ptr() % huge_pages.ALIGNMENT == 0
+    placed[0].add_(1)  # copies: the originals keep their values
+    assert not torch.equal(placed[0], tensors[0])
+
+
+def test_zeros_are_zeros_of_the_shape_and_dtype() -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8):
+        zeros = huge_pages.huge_page_zeros((3, 0, 2) if dtype == torch.uint8 else (4, 5, 6), dtype)
+        assert zeros.dtype == dtype and zeros.is_contiguous()
+        assert not zeros.any()
+
+
+@needs_huge_pages
+def test_a_cpu_runner_streams_its_panels_and_kv_cache_from_huge_pages(tiny_llama: Path) -> None:
+    runner = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32",
+                                      kv_cache_memory_bytes=16 * 2**20))
+    assert runner.kv_cache is not None and not runner.kv_cache.any()
+    assert anon_huge_kib(runner.kv_cache.data_ptr()) > 0
+    panels = [m.packed for m in runner.model.modules() if isinstance(getattr(m, "packed", None), PanelLinear)]
+    if not panels:
+        pytest.skip("float32 runs another GEMM than the panel GEMM here")
+    assert all(anon_huge_kib(p.panels.data_ptr()) > 0 for p in panels)
+
+
+def test_without_huge_pages_everything_stays_ordinary(no_huge_pages: None, tiny_llama: Path) -> None:
+    assert not huge_pages.huge_pages_available()
+    assert huge_pages.huge_page_buffer(1 << 20) is None
+    assert huge_pages.place_on_huge_pages([torch.ones(3)]) is None
+    zeros = huge_pages.huge_page_zeros((2, 3), torch.float32)
+    assert zeros.shape == (2, 3) and not zeros.any()
+    runner = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32",
+                                      kv_cache_memory_bytes=2**20))
+    assert huge_pages.place_packed_weights(runner.model) == 0
+
+
+def test_outputs_do_not_depend_on_where_the_weights_live(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    class Seq:
+        def __init__(self, token_ids: list[int], block_table: list[int]) -> None:
+            self.token_ids, self.block_table, self.num_computed_tokens = token_ids, block_table, 0
+
+    config = EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32", block_size=4, num_kv_blocks=8)
+    placed = ModelRunner(config)  # huge pages where this system grants them
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(huge_pages, "THP_SETTING", setting)
+    huge_pages.huge_pages_available.cache_clear()
+    try:
+        ordinary = ModelRunner(config)
+    finally:
+        huge_pages.huge_pages_available.cache_clear()
+    tokens = [1, 5, 9, 2, 7, 3]
+    logits = [r.execute_model([(Seq(tokens, [0, 1]), len(tokens))]) for r in (ordinary, placed)]
+    assert torch.equal(logits[0], logits[1])
