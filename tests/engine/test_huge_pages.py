@@ -41,17 +41,17 @@ needs_huge_pages = pytest.mark.skipif(not huge_pages.huge_pages_available(),
                                       reason="transparent_hugepage is 'never' (or absent) here")
 
 
-def test_placed_tensors_are_equal_copies_each_on_a_page() -> None:
-    tensors = [torch.randn(10, 3), torch.arange(7), torch.randn(5, 4).bfloat16(), torch.randn(3, 2).t()]
-    placed = huge_pages.place_on_huge_pages(tensors)
-    if placed is None:
+def test_slots_have_the_layouts_asked_each_on_a_page() -> None:
+    layouts = [(torch.Size([10, 3]), torch.float32), (torch.Size([7]), torch.int64),
+               (torch.Size([5, 4]), torch.bfloat16), (torch.Size([0, 2]), torch.float32)]
+    slots = huge_pages.huge_page_slots(layouts)
+    if slots is None:
         pytest.skip("no huge pages here")
-    for before, after in zip(tensors, placed, strict=True):
-        assert after.dtype == before.dtype and after.shape == before.shape and after.is_contiguous()
-        assert torch.equal(after, before)
-        assert after.data_ptr() % huge_pages.ALIGNMENT == 0
-    placed[0].add_(1)  # copies: the originals keep their values
-    assert not torch.equal(placed[0], tensors[0])
+    for (shape, dtype), slot in zip(layouts, slots, strict=True):
+        assert slot.shape == shape and slot.dtype == dtype and slot.is_contiguous() and not slot.any()
+        assert slot.data_ptr() % huge_pages.ALIGNMENT == 0
+    slots[0].fill_(1)  # apart: writing one leaves the next as it was
+    assert not slots[1].any()
 
 
 def test_zeros_are_zeros_of_the_shape_and_dtype() -> None:
@@ -76,7 +76,7 @@ def test_a_cpu_runner_streams_its_panels_and_kv_cache_from_huge_pages(tiny_llama
 def test_without_huge_pages_everything_stays_ordinary(no_huge_pages: None, tiny_llama: Path) -> None:
     assert not huge_pages.huge_pages_available()
     assert huge_pages.huge_page_buffer(1 << 20) is None
-    assert huge_pages.place_on_huge_pages([torch.ones(3)]) is None
+    assert huge_pages.huge_page_slots([(torch.Size([3]), torch.float32)]) is None
     zeros = huge_pages.huge_page_zeros((2, 3), torch.float32)
     assert zeros.shape == (2, 3) and not zeros.any()
     runner = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32",

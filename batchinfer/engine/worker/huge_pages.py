@@ -73,41 +73,37 @@ def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return buffer.zero_().view(dtype).view(*shape)  # zero_: every page backed now (the module docstring)
 
 
-def place_on_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Contiguous copies of tensors, together in one huge-page buffer (each at a page boundary), or None."""
-    offsets, total = [], 0
-    for tensor in tensors:
-        offsets.append(total)
-        total += -(-tensor.numel() * tensor.element_size() // ALIGNMENT) * ALIGNMENT
-    buffer = huge_page_buffer(total)
+def huge_page_slots(layouts: Sequence[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor] | None:
+    """Zero-filled contiguous tensors of these shapes and dtypes in one huge-page buffer, each starting a
+    page, or None (no huge pages here)."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in layouts]
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + -(-size // ALIGNMENT) * ALIGNMENT)
+    buffer = huge_page_buffer(offsets[-1])
     if buffer is None:
         return None
-    placed = []
-    for tensor, offset in zip(tensors, offsets, strict=True):
-        view = buffer[offset : offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
-        placed.append(view.view(tensor.shape).copy_(tensor))
-    return placed
+    return [buffer[offset : offset + size].view(dtype).view(shape)
+            for (shape, dtype), offset, size in zip(layouts, offsets[:-1], sizes, strict=True)]
 
 
 def place_packed_weights(model: nn.Module) -> int:
     """Move the model's dense packed weights (panels, bf16x3 halves) onto huge pages; returns how many moved.
 
-    Before the native decoder stack is built (worker/native_step.py reads the packs it is handed).
+    One pack at a time: each old pack is freed as its kernel takes the copy, so the peak is the packs once
+    plus the largest. Before the native decoder stack is built (worker/native_step.py reads the packs).
     """
-    panels: dict[int, PanelLinear] = {}  # by id: a kernel two modules share moves once
-    halves: dict[int, AmxLinear] = {}
+    packs: dict[int, tuple[PanelLinear | AmxLinear, str]] = {}  # by id: a kernel two modules share moves once
     for module in model.modules():
         for kernel in (getattr(module, "packed", None), getattr(module, "packed_high", None)):
             if isinstance(kernel, PanelLinear) and kernel.panels.device.type == "cpu":
-                panels[id(kernel)] = kernel
+                packs[id(kernel)] = (kernel, "panels")
             elif isinstance(kernel, AmxLinear):
-                halves[id(kernel)] = kernel
-    tensors = [k.panels for k in panels.values()] + [k.halves for k in halves.values()]
-    placed = place_on_huge_pages(tensors) if tensors else None
-    if placed is None:
+                packs[id(kernel)] = (kernel, "halves")
+    layouts = [(getattr(k, name).shape, getattr(k, name).dtype) for k, name in packs.values()]
+    slots = huge_page_slots(layouts) if layouts else None
+    if slots is None:
         return 0
-    for kernel, tensor in zip(panels.values(), placed[: len(panels)], strict=True):
-        kernel.panels = tensor
-    for amx, tensor in zip(halves.values(), placed[len(panels) :], strict=True):
-        amx.halves = tensor
-    return len(placed)
+    for (kernel, name), slot in zip(packs.values(), slots, strict=True):
+        setattr(kernel, name, slot.copy_(getattr(kernel, name)))
+    return len(slots)
