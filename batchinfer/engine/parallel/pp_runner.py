@@ -58,6 +58,7 @@ from batchinfer.engine.worker.runner_protocol import (
     LORA_NEEDS_ONE_RANK,
     ScheduledSequence,
 )
+from batchinfer.engine.worker.step_batch import check_entry, check_logits_count
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
@@ -118,22 +119,8 @@ def check_step(
     if len(counts) != len(scheduled):
         raise ValueError(f"logits_counts has {len(counts)} entries for a step of {len(scheduled)} sequences")
     for (seq, num_new), count in zip(scheduled, counts, strict=True):
-        begin = seq.num_computed_tokens
-        end = begin + num_new
-        if num_new < 1 or end > len(seq.token_ids):
-            raise ValueError(
-                f"scheduled {num_new} tokens from position {begin} of a sequence with {len(seq.token_ids)} "
-                "tokens: need 1 <= n <= len(token_ids) - num_computed_tokens"
-            )
-        if end > max_model_len:
-            raise ValueError(f"sequence reaches position {end} > max_model_len {max_model_len}")
-        if len(seq.block_table) * block_size < end:
-            raise ValueError(
-                f"block_table holds {len(seq.block_table)} blocks ({len(seq.block_table) * block_size} "
-                f"slots) but the step needs {end} positions; the block manager must allocate before the step"
-            )
-        if not 1 <= count <= num_new:
-            raise ValueError(f"logits_counts: {count} logits asked of an entry of {num_new} scheduled tokens")
+        check_entry(seq, num_new, block_size=block_size, max_model_len=max_model_len)
+        check_logits_count(count, num_new)
 
 
 class PipelineParallelRunner:

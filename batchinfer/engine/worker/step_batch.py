@@ -57,20 +57,9 @@ def build_step_batch(
     seq_lens: list[int] = []
     tables: list[list[int]] = []
     for seq, num_new in scheduled:
+        check_entry(seq, num_new, block_size=bs, max_model_len=max_model_len)
         start = seq.num_computed_tokens
         end = start + num_new
-        if num_new < 1 or end > len(seq.token_ids):
-            raise ValueError(
-                f"scheduled {num_new} tokens from position {start} of a sequence with "
-                f"{len(seq.token_ids)} tokens: need 1 <= n <= len(token_ids) - num_computed_tokens"
-            )
-        if end > max_model_len:
-            raise ValueError(f"sequence reaches position {end} > max_model_len {max_model_len}")
-        if len(seq.block_table) * bs < end:
-            raise ValueError(
-                f"block_table holds {len(seq.block_table)} blocks ({len(seq.block_table) * bs} slots) "
-                f"but the step needs {end} positions; the block manager must allocate before the step"
-            )
         input_ids.extend(seq.token_ids[start:end])
         positions.extend(range(start, end))
         q_lens.append(num_new)
@@ -115,13 +104,36 @@ def build_step_batch(
     )
 
 
+def check_entry(seq: ScheduledSequence, num_new: int, *, block_size: int, max_model_len: int) -> None:
+    """ValueError unless seq's next num_new tokens can run: they exist, fit max_model_len and have slots."""
+    start = seq.num_computed_tokens
+    end = start + num_new
+    if num_new < 1 or end > len(seq.token_ids):
+        raise ValueError(
+            f"scheduled {num_new} tokens from position {start} of a sequence with "
+            f"{len(seq.token_ids)} tokens: need 1 <= n <= len(token_ids) - num_computed_tokens"
+        )
+    if end > max_model_len:
+        raise ValueError(f"sequence reaches position {end} > max_model_len {max_model_len}")
+    if len(seq.block_table) * block_size < end:
+        raise ValueError(
+            f"block_table holds {len(seq.block_table)} blocks ({len(seq.block_table) * block_size} slots) "
+            f"but the step needs {end} positions; the block manager must allocate before the step"
+        )
+
+
+def check_logits_count(count: int, q_len: int) -> None:
+    """ValueError unless 1 <= count <= q_len (the logits asked of an entry of q_len scheduled tokens)."""
+    if not 1 <= count <= q_len:
+        raise ValueError(f"logits_counts: {count} logits asked of an entry of {q_len} scheduled tokens")
+
+
 def last_positions(last: torch.Tensor, counts: Sequence[int], q_lens: list[int]) -> torch.Tensor:
     """Flat token indices of each entry's last counts[i] tokens, entry by entry ([sum(counts)] int64)."""
     if len(counts) != len(q_lens):
         raise ValueError(f"logits_counts has {len(counts)} entries for a step of {len(q_lens)} sequences")
     for count, q_len in zip(counts, q_lens, strict=True):
-        if not 1 <= count <= q_len:
-            raise ValueError(f"logits_counts: {count} logits asked of an entry of {q_len} scheduled tokens")
+        check_logits_count(count, q_len)
     counts_t = torch.tensor(counts, dtype=torch.long)
     ends = torch.repeat_interleave(last + 1, counts_t)
     offsets = torch.arange(int(counts_t.sum())) - torch.repeat_interleave(torch.cumsum(counts_t, 0), counts_t)
