@@ -12,15 +12,19 @@ tensors here are then ordinary tensors. Memory is the same either way (but for e
 page, backed whole), and every page is written at once, as torch.zeros writes a KV cache: a cache too
 large for the machine fails the worker's start, not a job halfway.
 
-Only dense packs move: the panel GEMM's panels (PanelLinear) and the bf16x3 halves (AmxLinear). oneDNN's
-and fbgemm's packed weights are opaque tensors whose memory is theirs.
+Only dense packs move: the panel GEMM's panels (PanelLinear) and the bf16x3 halves (AmxLinear) of
+float32_matmul_precision "high" (under "auto" the halves an embeddings call adds later stay where they are).
+oneDNN's and fbgemm's packed weights are opaque tensors whose memory is theirs. The copies cost a load
+~0.4 s on SmolLM2 in float32 (538 MB); where the kernel must compact memory to find huge pages (defrag
+"madvise" on a fragmented host) a large KV cache's first writes take longer too.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -57,8 +61,11 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
     # private: a shared anonymous mapping is shmem, whose huge pages follow another setting (shmem_enabled)
     # whole huge pages from a boundary on: the mapping's start is only page-aligned
     span = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    mapping = mmap.mmap(-1, span + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        mapping = mmap.mmap(-1, span + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a sandbox refusing madvise, a kernel without THP behind the setting: ordinary memory
+        return None
     whole = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))
     skip = -whole.data_ptr() % HUGE_PAGE_BYTES
     return whole[skip : skip + nbytes]
@@ -106,4 +113,24 @@ def place_packed_weights(model: nn.Module) -> int:
         return 0
     for (kernel, name), slot in zip(packs.values(), slots, strict=True):
         setattr(kernel, name, slot.copy_(getattr(kernel, name)))
+        release_freed_heap()  # the old pack's memory, at once: the peak stays the packs plus one
     return len(slots)
+
+
+def release_freed_heap() -> None:
+    """Hand memory malloc holds free back to the system (glibc's malloc_trim; elsewhere nothing).
+
+    Packing frees each dense weight, which raises glibc's mmap threshold, so later packs come from the heap,
+    and a freed heap block stays resident until trimmed: without this, the old packs would stay counted.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
