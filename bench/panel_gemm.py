@@ -7,8 +7,11 @@ weight_packing.PanelLinear (csrc/panel_gemm.cpp) and OneDnnLinear, alternating, 
 step time, GFLOP/s and weight GB/s of each and their ratio. The panel GEMM needs an AVX2 + FMA build. On a
 CPU with AMX, float32 runs a third kernel: amx_linear.AmxLinear (csrc/amx_gemm.cpp, bf16x3: what
 float32_matmul_precision "high" runs), and each kernel's largest relative error against float64 is printed.
+--huge-pages adds the panels again on transparent huge pages (engine/worker/huge_pages.py, as a CPU runner
+places them) and prints their speed against the same panels on ordinary pages.
 
     .venv/bin/python bench/panel_gemm.py --rows 1 8 32 96 --dtype float32
+    .venv/bin/python bench/panel_gemm.py --rows 1 4 8 16 32 96 --huge-pages --repeats 7
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable, Sequence  # noqa: E402
 import torch  # noqa: E402
 
 from batchinfer.engine.layers import amx_linear, weight_packing  # noqa: E402
+from batchinfer.engine.worker.huge_pages import huge_page_slots  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30  # SmolLM2-135M
 
@@ -54,6 +58,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 48, 64, 96])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--huge-pages", action="store_true", help="also the panels on transparent huge pages")
     args = parser.parse_args()
     extension = weight_packing.panel_extension()
     if extension is None:
@@ -67,6 +72,14 @@ def main() -> None:
         raise SystemExit(f"oneDNN does not run {args.dtype} GEMMs here")
     kernels: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
         "panel": list(panel), "onednn": [k for k in onednn if k is not None]}
+    if args.huge_pages:
+        placed = [weight_packing.PanelLinear(w, None, extension) for w in weights]
+        slots = huge_page_slots([(p.panels.shape, p.panels.dtype) for p in placed])
+        if slots is None:
+            raise SystemExit("no huge pages here (/sys/kernel/mm/transparent_hugepage/enabled is never)")
+        for kernel, slot in zip(placed, slots, strict=True):
+            kernel.panels = slot.copy_(kernel.panels)
+        kernels["panel+huge"] = list(placed)
     amx_ext = amx_linear.amx_extension() if dtype == torch.float32 else None
     if amx_ext is not None:
         kernels["amx"] = [amx_linear.AmxLinear(w, None, amx_ext) for w in weights]
@@ -89,6 +102,9 @@ def main() -> None:
         onednn_s = statistics.median(times["onednn"])
         ratios = [f"{name} {onednn_s / statistics.median(seconds):.2f}x oneDNN"
                   for name, seconds in times.items() if name != "onednn"]
+        if "panel+huge" in times:
+            gain = statistics.median(times["panel"]) / statistics.median(times["panel+huge"])
+            ratios.append(f"huge pages {gain:.2f}x")
         print("  ".join(line + ratios), flush=True)
 
 

@@ -2,9 +2,9 @@
 
 Why: a decode step streams every packed weight once (SmolLM2 in float32: 538 MB a step) and every cached
 K/V row of its sequences. In 4 KiB pages each stream takes a TLB miss every 4 KiB, and the hardware
-prefetchers stop at every page boundary. On the AMX Xeon (bench/panel_gemm.py's 121 GEMMs of a SmolLM2
-step through the panel GEMM, weights from memory) the same panels on huge pages ran 1.14-1.15x faster at
-1-8 rows, 1.10x at 16, 1.05x at 32 and 1.03x at 96.
+prefetchers stop at every page boundary. On the AMX Xeon (bench/panel_gemm.py --huge-pages: the 121 GEMMs
+of a SmolLM2 step through the panel GEMM, weights from memory) the same panels on huge pages ran 1.10-1.14x
+faster at 1-8 rows, 1.07-1.08x at 16-32 and 1.02x at 96.
 
 Linux backs anonymous memory with huge pages when transparent_hugepage is "always", or "madvise" and the
 range asked for them (madvise MADV_HUGEPAGE); "never" (or no such setting) leaves ordinary pages, and the
