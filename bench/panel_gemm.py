@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence  # noqa: E402
 import torch  # noqa: E402
 
 from batchinfer.engine.layers import amx_linear, weight_packing  # noqa: E402
-from batchinfer.engine.worker.huge_pages import huge_page_slots  # noqa: E402
+from batchinfer.engine.worker.huge_pages import place_packs  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30  # SmolLM2-135M
 
@@ -74,11 +74,8 @@ def main() -> None:
         "panel": list(panel), "onednn": [k for k in onednn if k is not None]}
     if args.huge_pages:
         placed = [weight_packing.PanelLinear(w, None, extension) for w in weights]
-        slots = huge_page_slots([(p.panels.shape, p.panels.dtype) for p in placed])
-        if slots is None:
+        if not place_packs(placed):  # as a CPU runner places its packs
             raise SystemExit("no huge pages here (/sys/kernel/mm/transparent_hugepage/enabled is never)")
-        for kernel, slot in zip(placed, slots, strict=True):
-            kernel.panels = slot.copy_(kernel.panels)
         kernels["panel+huge"] = list(placed)
     amx_ext = amx_linear.amx_extension() if dtype == torch.float32 else None
     if amx_ext is not None:

@@ -14,17 +14,22 @@ from batchinfer.engine.worker import huge_pages
 from batchinfer.engine.worker.model_runner import ModelRunner
 
 
-def anon_huge_kib(address: int) -> int:
-    """AnonHugePages (KiB) of the mapping of this process that holds address (0 if none)."""
+def mapping_kib(address: int, field: str) -> int:
+    """A /proc/self/smaps field (KiB, e.g. "Rss") of the mapping that holds address (0 if none)."""
     current = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(part, 16) for part in head.split("-"))
             current = start <= address < end
-        elif current and line.startswith("AnonHugePages:"):
+        elif current and line.startswith(f"{field}:"):
             return int(line.split()[1])
     return 0
+
+
+def anon_huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping of this process that holds address (0 if none)."""
+    return mapping_kib(address, "AnonHugePages")
 
 
 @pytest.fixture
@@ -63,13 +68,19 @@ def test_zeros_are_zeros_of_the_shape_and_dtype() -> None:
 
 @needs_huge_pages
 def test_a_cpu_runner_streams_its_panels_and_kv_cache_from_huge_pages(tiny_llama: Path) -> None:
-    probe = huge_pages.huge_page_zeros((4 << 20,), torch.uint8)  # advised and written: granted here?
-    if anon_huge_kib(probe.data_ptr()) == 0:
+    probe = huge_pages.huge_page_buffer(4 << 20)
+    assert probe is not None
+    if anon_huge_kib(probe.fill_(1).data_ptr()) == 0:  # advised and written: granted here?
         pytest.skip("the kernel gave 4 KiB pages to an advised mapping (defrag setting, fragmented memory)")
     del probe
     runner = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32",
                                       kv_cache_memory_bytes=16 * 2**20))
-    assert runner.kv_cache is not None and not runner.kv_cache.any()
+    assert runner.kv_cache is not None
+    # backed whole at allocation (before anything reads it), as torch.zeros did: a cache the machine cannot
+    # hold fails the start
+    cache_kib = runner.kv_cache.numel() * runner.kv_cache.element_size() // 1024
+    assert mapping_kib(runner.kv_cache.data_ptr(), "Rss") >= cache_kib
+    assert not runner.kv_cache.any()
     assert anon_huge_kib(runner.kv_cache.data_ptr()) > 0
     panels = [m.packed for m in runner.model.modules() if isinstance(getattr(m, "packed", None), PanelLinear)]
     if not panels:

@@ -58,10 +58,9 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
     """
     if nbytes <= 0 or not huge_pages_available():
         return None
-    # private: a shared anonymous mapping is shmem, whose huge pages follow another setting (shmem_enabled)
     # whole huge pages from a boundary on: the mapping's start is only page-aligned
     span = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    try:
+    try:  # private: a shared anonymous mapping is shmem, whose huge pages follow another setting
         mapping = mmap.mmap(-1, span + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # a sandbox refusing madvise, a kernel without THP behind the setting: ordinary memory
@@ -73,11 +72,10 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
 
 def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype) on huge pages where granted, else torch.zeros itself (CPU)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    buffer = huge_page_buffer(nbytes)
-    if buffer is None:
+    slots = huge_page_slots([(torch.Size(shape), dtype)])
+    if slots is None:
         return torch.zeros(*shape, dtype=dtype)
-    return buffer.zero_().view(dtype).view(*shape)  # zero_: every page backed now (the module docstring)
+    return slots[0].zero_()  # zero_: every page backed now (the module docstring)
 
 
 def huge_page_slots(layouts: Sequence[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor] | None:
@@ -97,21 +95,27 @@ def huge_page_slots(layouts: Sequence[tuple[torch.Size, torch.dtype]]) -> list[t
 def place_packed_weights(model: nn.Module) -> int:
     """Move the model's dense packed weights (panels, bf16x3 halves) onto huge pages; returns how many moved.
 
-    One pack at a time: each old pack is freed as its kernel takes the copy, so the peak is the packs once
-    plus the largest. Before the native decoder stack is built (worker/native_step.py reads the packs).
+    Before the native decoder stack is built (worker/native_step.py reads the packs it is handed).
     """
-    packs: dict[int, tuple[PanelLinear | AmxLinear, str]] = {}  # by id: a kernel two modules share moves once
-    for module in model.modules():
-        for kernel in (getattr(module, "packed", None), getattr(module, "packed_high", None)):
-            if isinstance(kernel, PanelLinear) and kernel.panels.device.type == "cpu":
-                packs[id(kernel)] = (kernel, "panels")
-            elif isinstance(kernel, AmxLinear):
-                packs[id(kernel)] = (kernel, "halves")
-    layouts = [(getattr(k, name).shape, getattr(k, name).dtype) for k, name in packs.values()]
+    kernels = (getattr(module, attribute, None) for module in model.modules()
+               for attribute in ("packed", "packed_high"))
+    return place_packs([k for k in kernels if isinstance(k, PanelLinear | AmxLinear)])
+
+
+def place_packs(kernels: Sequence[PanelLinear | AmxLinear]) -> int:
+    """Move these kernels' packs into one huge-page buffer; returns how many moved (0: none granted here).
+
+    One pack at a time: each old pack is freed (and trimmed) as its kernel takes the copy, so the peak is
+    the packs once plus the largest. A kernel listed twice (two modules sharing it) moves once.
+    """
+    unique = list({id(k): k for k in kernels}.values())
+    # attribute names, not the packs: a list of the old packs would keep each alive past its copy
+    names = ["panels" if isinstance(k, PanelLinear) else "halves" for k in unique]
+    layouts = [(getattr(k, n).shape, getattr(k, n).dtype) for k, n in zip(unique, names, strict=True)]
     slots = huge_page_slots(layouts) if layouts else None
     if slots is None:
         return 0
-    for (kernel, name), slot in zip(packs.values(), slots, strict=True):
+    for kernel, name, slot in zip(unique, names, slots, strict=True):
         setattr(kernel, name, slot.copy_(getattr(kernel, name)))
         release_freed_heap()  # the old pack's memory, at once: the peak stays the packs plus one
     return len(slots)
