@@ -5,7 +5,7 @@ Every series carries vLLM's two labels: `model_name` (a model's NAME: an alias o
 local directory or .gguf file by its last path part, never the path) and `engine` (the engine's index
 among this process's engines of that model, "0" for a worker's one engine). Labelled children are bound
 once per engine in `EngineMetrics.__init__`, so a step costs a handful of `inc`/`set`/`observe` calls and
-no label lookups; `StatLogger` prints vLLM's periodic throughput line. Under tensor
+no label lookups; `stat_logger.StatLogger` prints vLLM's periodic throughput line. Under tensor
 parallelism only the engine (rank 0) records: the other ranks run the model and have no scheduler, so one
 exporter per engine sees everything.
 """
@@ -13,7 +13,6 @@ exporter per engine sees everything.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from bisect import bisect_left
@@ -23,14 +22,14 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from batchinfer.engine.stat_logger import StatLogger
+
 if TYPE_CHECKING:
     from batchinfer.engine.core.block_manager import BlockManager
     from batchinfer.engine.core.scheduler import Scheduler
     from batchinfer.engine.metrics_sinks import LoRAMetricsSink, SpecMetricsSink
     from batchinfer.engine.outputs import RequestOutput
     from batchinfer.engine.spec_decode.speculator import SpecDecodeCounts
-
-logger = logging.getLogger("batchinfer.engine")
 
 PREFIX = "batchinfer:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -270,43 +269,6 @@ def observe_many(histogram: Histogram, values: list[float]) -> None:
     total.inc(sum(values))
     for index, count in counts.items():
         buckets[index].inc(count)
-
-
-class StatLogger:
-    """Logs vLLM's periodic line: throughput, running/waiting, KV usage, prefix-cache hit rate."""
-
-    def __init__(self, interval_s: float = 5.0, log: logging.Logger = logger) -> None:
-        self.interval_s = interval_s
-        self.log = log
-        self._reset(time.monotonic())
-
-    def _reset(self, now: float) -> None:
-        self._since = now
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
-        self._queries = 0
-        self._hits = 0
-
-    def record_step(self, stats: StepStats, now: float | None = None) -> str | None:
-        """Accumulate a step; return (and log) the line when the interval has passed."""
-        now = time.monotonic() if now is None else now
-        self._prompt_tokens += stats.num_prompt_tokens
-        self._generation_tokens += stats.num_generation_tokens
-        self._queries += stats.prefix_cache_queries
-        self._hits += stats.prefix_cache_hits
-        elapsed = now - self._since
-        if elapsed < self.interval_s:
-            return None
-        hit_rate = 100.0 * self._hits / self._queries if self._queries else 0.0
-        line = (
-            f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
-            f"Avg generation throughput: {self._generation_tokens / elapsed:.1f} tokens/s, "
-            f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
-            f"KV cache usage: {100.0 * stats.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%"
-        )
-        self.log.info(line)
-        self._reset(now)
-        return line
 
 
 class MetricsRecorder:

@@ -8,8 +8,9 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
 from batchinfer.engine.llm import LLM
-from batchinfer.engine.metrics import EngineMetrics, FinishedRequestStats, StatLogger, StepStats, model_label
+from batchinfer.engine.metrics import EngineMetrics, FinishedRequestStats, StepStats, model_label
 from batchinfer.engine.sampling_params import SamplingParams
+from batchinfer.engine.stat_logger import StatLogger
 
 
 @pytest.fixture(scope="module")

@@ -29,10 +29,12 @@ constexpr int64_t kRowsPerPass = 126;
 // rather than once into a buffer (a write and a read of the panel): 1-row steps 25 -> 17 ms on SmolLM2.
 constexpr int64_t kRegisterWidenRows = 2 * kTileRows;
 constexpr int64_t kCacheLine = 64;
-// Rows from which float32 tiles prefetch the next panel (run_tiles). Measured on an AVX2 EPYC (Zen 3) over
-// SmolLM2's 121 GEMMs, builds alternating step by step (25 steps each): 1.07x at 4 rows, 1.09x at 12 and 16,
-// 1.10x at 24, 1.03x at 32, 0.98x at 48, 1.06x at 96, where identical code read 0.97x; at 1-2 rows the tiles
-// only stream and the hardware prefetcher keeps up (0.95-1.10x); bf16 panels (half the bytes) 0.91-1.17x.
+// Rows from which tiles prefetch the next panel (run_tiles): float32 panels, and bf16 ones widened into a
+// buffer (more than kRegisterWidenRows rows). Measured on an AVX2 EPYC (Zen 3) over SmolLM2's 121 GEMMs,
+// builds alternating step by step (25 steps each): float32 1.07x at 4 rows, 1.09x at 12 and 16, 1.10x at 24,
+// 1.03x at 32, 0.98x at 48, 1.06x at 96, where identical code read 0.97x; buffered bf16 1.01-1.12x at 16-96
+// (two runs). At 1-2 rows the tiles only stream and the hardware prefetcher keeps up (0.95-1.10x); bf16
+// widened in registers (up to 12 rows, more work per k step) measured 0.91-1.00x.
 constexpr int64_t kPrefetchMinRows = 4;
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)  // the AVX2 tiles (AVX-512: below)
@@ -143,7 +145,8 @@ void run_panels(const float* x, int64_t K, const W* panels, const float* bias, f
                 int64_t row0, int64_t rows, int64_t p0, int64_t p1, std::vector<float>& widened) {
   for (int64_t p = p0; p < p1; ++p) {
     const W* panel = panels + p * K * kPanel;
-    const bool prefetch = std::is_same_v<W, float> && rows >= kPrefetchMinRows && p + 1 < p1;
+    const bool prefetch = (std::is_same_v<W, float> || rows > kRegisterWidenRows) && rows >= kPrefetchMinRows &&
+                          p + 1 < p1;
     const int64_t ahead_bytes = prefetch ? K * kPanel * int64_t(sizeof(W)) : 0;
     if constexpr (std::is_same_v<W, float>) {
       run_tiles(x, K, panel, bias, y, N, row0, rows, p, panel, ahead_bytes);
