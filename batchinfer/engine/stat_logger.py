@@ -1,7 +1,7 @@
 """vLLM's periodic engine log line: prompt and generation throughput, queues, KV usage, prefix-cache hits.
 
 MetricsRecorder (metrics.py) folds each step's StepStats in; a line is logged once per interval, with the
-throughputs averaged over it and the queue and cache figures as of its last step.
+throughputs and the prefix-cache hit rate over it, the queues and KV usage as of its last step.
 """
 
 from __future__ import annotations

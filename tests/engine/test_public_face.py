@@ -12,6 +12,7 @@ PUBLIC_FACE = (
     "batchinfer.engine.sampling_params",
     "batchinfer.engine.errors",
     "batchinfer.engine.metrics",
+    "batchinfer.engine.stat_logger",
     "batchinfer.engine.outputs",
     "batchinfer.engine.numerics",
     "batchinfer.engine.model_files",

@@ -31,10 +31,11 @@ constexpr int64_t kRegisterWidenRows = 2 * kTileRows;
 constexpr int64_t kCacheLine = 64;
 // Rows from which tiles prefetch the next panel (run_tiles): float32 panels, and bf16 ones widened into a
 // buffer (more than kRegisterWidenRows rows). Measured on an AVX2 EPYC (Zen 3) over SmolLM2's 121 GEMMs,
-// builds alternating step by step (25 steps each): float32 1.07x at 4 rows, 1.09x at 12 and 16, 1.10x at 24,
-// 1.03x at 32, 0.98x at 48, 1.06x at 96, where identical code read 0.97x; buffered bf16 1.01-1.12x at 16-96
-// (two runs). At 1-2 rows the tiles only stream and the hardware prefetcher keeps up (0.95-1.10x); bf16
-// widened in registers (up to 12 rows, more work per k step) measured 0.91-1.00x.
+// builds alternating step by step (bench/kernel_ab.py, 25 steps each): float32 1.07x at 4 rows, 1.00x at 8,
+// 1.09x at 12 and 16, 1.10x at 24, 1.03x at 32, 0.98x at 48, 1.06x at 96, where identical code read 0.97x;
+// buffered bf16 1.01-1.12x at 16-96 (two runs). At 1-2 rows the tiles only stream and the hardware
+// prefetcher keeps up (0.95-1.10x); bf16 widened in registers (up to 12 rows, more work per k step)
+// measured 0.91-1.00x. The line count rounds down: a bf16 panel of odd K misses its last half line.
 constexpr int64_t kPrefetchMinRows = 4;
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)  // the AVX2 tiles (AVX-512: below)
@@ -109,10 +110,11 @@ void widen_panel(const bf16* __restrict panel, int64_t count, float* __restrict 
   for (; i < count; ++i) out[i] = static_cast<float>(panel[i]);
 }
 
-// Rows [row0, row0 + rows) of x against one panel (float32, or bf16 read by a single tile), its tiles
-// prefetching the `ahead_bytes` after it (the thread's next panel, in the stored format; 0 at a run's end)
-// between them, so that memory streams the next panel while the later tiles compute on this one from L2:
-// without it a step paid its weights' streaming and their arithmetic one after the other.
+// Rows [row0, row0 + rows) of x against one panel (float32, or bf16 widened in registers or into a
+// buffer: `panel` is what the tiles read, `stored` the panel as packed), its tiles prefetching the
+// `ahead_bytes` after `stored` (the thread's next panel; 0 where run_panels takes no prefetch) between
+// them, so that memory streams the next panel while the later tiles compute on this one from L2: without
+// it a step paid its weights' streaming and their arithmetic one after the other.
 template <typename W, typename P>
 void run_tiles(const float* x, int64_t K, const W* panel, const float* bias, float* y, int64_t N,
                int64_t row0, int64_t rows, int64_t p, const P* stored, int64_t ahead_bytes) {
