@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -63,9 +63,10 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def submit(self, count: int, *, shard_size: int, max_tokens: int = 6) -> tuple[int, list[str]]:
+    def submit(self, count: int, *, shard_size: int, max_tokens: int = 6,
+               body_of: Callable[[int], dict] | None = None) -> tuple[int, list[str]]:
         path = self.tmp_path / f"in-{time.monotonic_ns()}.jsonl"
-        ids = write_requests(path, count, max_tokens=max_tokens)
+        ids = write_requests(path, count, max_tokens=max_tokens, body_of=body_of)
         with self.sessions() as session:
             job = submit_and_announce(session=session, settings=self.settings, app=self.app, path=path,
                                       model=self.model, owner="t", shard_size=shard_size)
@@ -166,7 +167,11 @@ def test_two_workers_split_a_job_without_overlap_or_gap(cluster: Cluster) -> Non
 def test_kill_9_mid_shard_then_rescue_completes_exactly_once(cluster: Cluster) -> None:
     victim = cluster.start_worker("w0")
     _wait_workers_ready(cluster, 1)
-    job_id, ids = cluster.submit(24, shard_size=8, max_tokens=48)
+    # The first shard's requests are short, the other two shards' long (400 tokens each, no early EOS):
+    # once results exist, seconds of work are still in flight, however late the kill comes (with 48
+    # tokens each, a loaded run once saw all 24 finish before it).
+    job_id, ids = cluster.submit(24, shard_size=8, body_of=lambda i: {"max_tokens": 4} if i < 8 else
+                                 {"max_tokens": 400, "ignore_eos": True})
     cluster.wait_completed(job_id, 2)  # some results written, more in flight
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
