@@ -2,9 +2,10 @@
 
 On a shared host the speed of one build drifts by 10-30% between runs minutes apart, more than most kernel
 changes are worth. This runs each build in its own worker process (two builds' extensions cannot share one:
-pybind11 registers their classes once per process), both holding SmolLM2-135M's 121 GEMMs' panels (as
-bench/panel_gemm.py: random weights, streamed from memory), and alternates single steps between them (ABBA
-order), so both see the same moments of the host; it prints each build's median step and A / B.
+pybind11 registers their classes once per process), both holding SmolLM2-135M's 121 GEMMs' panels
+(bench/panel_gemm.py's model_weights: random weights, streamed from memory), and alternates single
+steps between them (ABBA order), so both see the same moments of the host; it prints each build's
+median step and A / B.
 
 A build is the `.so` that `batchinfer build-kernels` prints the folder of; another commit's build comes from
 a worktree of it:
@@ -25,8 +26,6 @@ import time
 from pathlib import Path
 from typing import IO
 
-HIDDEN, INTERMEDIATE, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30  # SmolLM2-135M
-
 
 def serve(extension_path: Path, dtype_name: str) -> None:
     """Worker: pack the model's panels with this build, then time one step per row count read from stdin."""
@@ -41,11 +40,10 @@ def serve(extension_path: Path, dtype_name: str) -> None:
         raise SystemExit(f"{extension_path}: not a loadable extension")
     extension = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(extension)
-    dtype = getattr(torch, dtype_name)
-    gen = torch.Generator().manual_seed(0)
-    shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS
-    packs = [(extension.pack_panels((torch.randn(n, k, generator=gen) * 0.02).to(dtype)), n, k)
-             for n, k in [*shapes, (VOCAB, HIDDEN)]]
+    from panel_gemm import HIDDEN, INTERMEDIATE, model_weights  # bench/ is this script's sys.path[0]
+
+    packs = [(extension.pack_panels(weight), weight.shape[0], weight.shape[1])
+             for weight in model_weights(getattr(torch, dtype_name))]
     print("ready", flush=True)
     for line in sys.stdin:
         rows = int(line)

@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from batchinfer.engine.metrics import StepStats
+
+class StepFigures(Protocol):
+    """What the line reads of a step (metrics.StepStats has these; no import back, so no cycle)."""
+
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
 
 logger = logging.getLogger("batchinfer.engine")
 
@@ -31,7 +40,7 @@ class StatLogger:
         self._queries = 0
         self._hits = 0
 
-    def record_step(self, stats: StepStats, now: float | None = None) -> str | None:
+    def record_step(self, stats: StepFigures, now: float | None = None) -> str | None:
         """Accumulate a step; return (and log) the line when the interval has passed."""
         now = time.monotonic() if now is None else now
         self._prompt_tokens += stats.num_prompt_tokens
