@@ -2,7 +2,7 @@
 bf16x3 product against float64 (rows, columns and K off the tile grid, the row chunks of a prefill, bias),
 closer than one bf16 product; which setting runs where (EngineConfig, by CPU flags); "high" packs every
 linear and the head and keeps the logits of IEEE float32; "auto" runs embeddings only in bf16x3, once
-packed; and the source compiles for CPUs without AMX."""
+packed; and the sources (amx_block_gemm.cpp's too) compile for CPUs without AMX."""
 
 from __future__ import annotations
 
@@ -167,11 +167,12 @@ def test_auto_runs_embeddings_in_bf16x3_and_generation_in_float32(tiny_llama: Pa
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 @pytest.mark.parametrize("isa", [["-mavx2", "-mfma"], ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]])
-def test_the_kernel_source_compiles_without_amx(isa: list[str]) -> None:
+@pytest.mark.parametrize("source", ["amx_gemm.cpp", "amx_block_gemm.cpp"])
+def test_the_kernel_source_compiles_without_amx(isa: list[str], source: str) -> None:
     """The build is -march=native: a CPU without AMX compiles the stubs (amx_gemm_built() false)."""
     torch_include = Path(torch.__file__).parent / "include"
     command = ["g++", "-std=c++20", "-fsyntax-only", "-fopenmp", *isa, "-I", str(CSRC_DIR),
                "-isystem", str(torch_include), "-isystem", str(torch_include / "torch/csrc/api/include"),
-               "-isystem", sysconfig.get_paths()["include"], str(CSRC_DIR / "amx_gemm.cpp")]
+               "-isystem", sysconfig.get_paths()["include"], str(CSRC_DIR / source)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -101,6 +101,7 @@ def with_high_precision(model: nn.Module, *, replace: bool = False) -> int:
 
 def _attach_bf16x3(model: nn.Module, *, replace: bool) -> int:
     from batchinfer.engine.layers.embed_head import ParallelLMHead
+    from batchinfer.engine.layers.exact_blocks import ExactBlockLinear
     from batchinfer.engine.layers.linear import LinearBase
 
     count = 0
@@ -109,8 +110,9 @@ def _attach_bf16x3(model: nn.Module, *, replace: bool) -> int:
             continue
         if isinstance(module, ParallelLMHead) and not replace:
             continue  # embeddings pool hidden states: the head never runs there
-        if isinstance(module, LinearBase) and module.packed_high is not None:
-            count += 1
+        if isinstance(module, LinearBase) and (module.packed_high is not None
+                                               or isinstance(module.packed, ExactBlockLinear)):
+            count += 1  # exact blocks run on AMX tiles already, at float32's accuracy (exact_blocks.py)
             continue
         found = dense_weight(module)
         kernel = None if found is None else amx_linear(*found)

@@ -50,7 +50,8 @@ TORCH_LOCK_NAME = "lock"  # torch.utils.file_baton's lock: a plain file that a k
 COMPLETE_NAME = "batchinfer-complete"  # written after a successful build; holds the key it was built for
 CSRC_DIR = Path(__file__).resolve().with_name("csrc")  # the C++ sources, shipped as package data
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "gguf_linear.cpp",  # the units compiled
-           "decoder_stack.cpp", "panel_gemm.cpp", "amx_gemm.cpp", "greedy_head.cpp")
+           "decoder_stack.cpp", "panel_gemm.cpp", "amx_gemm.cpp", "amx_block_gemm.cpp",
+           "greedy_head.cpp")
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ tensors here are then ordinary tensors. Memory is the same either way (but for e
 page, backed whole), and every page is written at once, as torch.zeros writes a KV cache: a cache too
 large for the machine fails the worker's start, not a job halfway.
 
-Only dense packs move: the panel GEMM's panels (PanelLinear) and the bf16x3 halves (AmxLinear) of
-float32_matmul_precision "high" (under "auto" the halves an embeddings call adds later stay where they are).
+Only dense packs move: the panel GEMM's panels (PanelLinear), the bf16x3 halves (AmxLinear) of
+float32_matmul_precision "high" (under "auto" the halves an embeddings call adds later stay where they are)
+and the codes of exact 4-bit blocks (ExactBlockLinear).
 oneDNN's and fbgemm's packed weights are opaque tensors whose memory is theirs. The copies cost a load
 ~0.4 s on SmolLM2 in float32 (538 MB); where the kernel must compact memory to find huge pages (defrag
 "madvise" on a fragmented host) a large KV cache's first writes take longer too.
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from batchinfer.engine.layers.amx_linear import AmxLinear
+from batchinfer.engine.layers.exact_blocks import ExactBlockLinear
 from batchinfer.engine.layers.weight_packing import PanelLinear
 
 HUGE_PAGE_BYTES = 2 << 20
@@ -93,16 +95,19 @@ def huge_page_slots(layouts: Sequence[tuple[torch.Size, torch.dtype]]) -> list[t
 
 
 def place_packed_weights(model: nn.Module) -> int:
-    """Move the model's dense packed weights (panels, bf16x3 halves) onto huge pages; returns how many moved.
+    """Move the model's packed weights (panels, bf16x3 halves, block codes) onto huge pages; how many moved.
 
     Before the native decoder stack is built (worker/native_step.py reads the packs it is handed).
     """
     kernels = (getattr(module, attribute, None) for module in model.modules()
                for attribute in ("packed", "packed_high"))
-    return place_packs([k for k in kernels if isinstance(k, PanelLinear | AmxLinear)])
+    return place_packs([k for k in kernels if isinstance(k, PanelLinear | AmxLinear | ExactBlockLinear)])
 
 
-def place_packs(kernels: Sequence[PanelLinear | AmxLinear]) -> int:
+PACK_ATTRIBUTES = {PanelLinear: "panels", AmxLinear: "halves", ExactBlockLinear: "codes"}  # what streams
+
+
+def place_packs(kernels: Sequence[PanelLinear | AmxLinear | ExactBlockLinear]) -> int:
     """Move these kernels' packs into one huge-page buffer; returns how many moved (0: none granted here).
 
     One pack at a time: each old pack is freed (and trimmed) as its kernel takes the copy, so the peak is
@@ -110,7 +115,7 @@ def place_packs(kernels: Sequence[PanelLinear | AmxLinear]) -> int:
     """
     unique = list({id(k): k for k in kernels}.values())
     # attribute names, not the packs: a list of the old packs would keep each alive past its copy
-    names = ["panels" if isinstance(k, PanelLinear) else "halves" for k in unique]
+    names = [PACK_ATTRIBUTES[type(k)] for k in unique]
     layouts = [(getattr(k, n).shape, getattr(k, n).dtype) for k, n in zip(unique, names, strict=True)]
     slots = huge_page_slots(layouts) if layouts else None
     if slots is None:

@@ -25,6 +25,7 @@ from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.amx_linear import with_high_precision
 from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.context import set_context
+from batchinfer.engine.layers.exact_blocks import exact_blocks_source, pack_exact_blocks
 from batchinfer.engine.layers.greedy_head import GreedyHead
 from batchinfer.engine.layers.kv_quant import kv_cache_format
 from batchinfer.engine.layers.quantization import pack_weights, quantization_format
@@ -122,6 +123,12 @@ class ModelRunner:
         pack_weights(self.model, self.device, config.quantization,  # CPU: oneDNN / int8 / GGUF 4-bit kernels
                      model_path=self.model_path, max_model_len=self.max_model_len,
                      gguf_path=self.gguf_path)
+        # a GGUF model's float32 linears on AMX over the file's exact 4-bit blocks (layers/exact_blocks.py)
+        blocks_source = exact_blocks_source(
+            model=config.model, dtype=self.dtype, device=self.device, quantization=config.quantization,
+            ranks=config.tensor_parallel_size * config.pipeline_parallel_size)
+        if blocks_source is not None:
+            pack_exact_blocks(self.model, blocks_source)
         # float32 GEMMs on AMX (layers/amx_linear.py): "high" runs every step's in bf16x3; "auto" its
         # embeddings only (embed() gives the layers that kernel on first use)
         self.float32_matmul_precision = config.resolved_float32_matmul_precision()

@@ -28,6 +28,7 @@ from batchinfer.engine.layers import cpu_attention
 from batchinfer.engine.layers.amx_linear import AmxLinear
 from batchinfer.engine.layers.attention import Attention
 from batchinfer.engine.layers.context import AttentionContext
+from batchinfer.engine.layers.exact_blocks import ExactBlockLinear
 from batchinfer.engine.layers.linear import LinearBase
 from batchinfer.engine.layers.weight_packing import Int8Linear, OneDnnLinear, PanelLinear
 from batchinfer.engine.parallel.distributed import tp_world_size
@@ -37,8 +38,8 @@ if TYPE_CHECKING:
 
 NATIVE_STEP_ENV = "BATCHINFER_CPU_NATIVE_STEP"  # "0": the Python layer loop instead (A/B runs)
 
-# One linear as the C++ stack takes it: (kind, weight, bias, int8 packed params, per_token, reduce_range,
-# out_features (the panel and AMX GEMMs' N; 0 for the others))
+# One linear as the C++ stack takes it: (kind, weight, bias, int8 packed params (exact blocks: their scales),
+# per_token, reduce_range, out_features (the panel and AMX GEMMs' N; 0 for the others))
 LinearSpec = tuple[int, torch.Tensor, torch.Tensor | None, object, bool, bool, int]
 
 
@@ -50,6 +51,7 @@ class NativeLinearKind(IntEnum):
     INT8 = 2  # the packed int8 weight (fbgemm's or oneDNN's), quantized::linear_dynamic
     PANEL = 3  # the panels of csrc/panel_gemm.cpp, panel_linear
     AMX = 4  # the bf16 halves of csrc/amx_gemm.cpp, amx_linear (float32_matmul_precision high)
+    AMX_BLOCKS = 5  # exact 4-bit blocks of csrc/amx_block_gemm.cpp, amx_block_linear (scales as "packed")
 
 
 class DecoderStackHandle(Protocol):
@@ -82,6 +84,9 @@ def linear_spec(module: LinearBase) -> LinearSpec | None:
         return (NativeLinearKind.PANEL, packed.panels, packed.bias, None, False, False, packed.out_features)
     if isinstance(packed, AmxLinear):
         return (NativeLinearKind.AMX, packed.halves, packed.bias, None, False, False, packed.out_features)
+    if isinstance(packed, ExactBlockLinear):
+        return (NativeLinearKind.AMX_BLOCKS, packed.codes, packed.bias, packed.scales, False, False,
+                packed.out_features)
     if isinstance(packed, OneDnnLinear):
         return (NativeLinearKind.ONEDNN, packed.packed, packed.bias, None, False, False, 0)
     if isinstance(packed, Int8Linear):

@@ -18,9 +18,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define BATCHINFER_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#include <mutex>
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -37,36 +35,6 @@ constexpr int64_t kChunkRows = 128;
 constexpr int64_t kPrefetchSteps = 2;
 
 #if defined(BATCHINFER_AMX)
-
-// Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA),
-// once per process; torch's oneDNN asks for it too, but not before its first AMX primitive.
-bool request_amx_permission() {
-  static std::once_flag once;
-  static bool granted = false;
-  std::call_once(once, [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  });
-  return granted;
-}
-
-struct alignas(64) TileConfig {  // the 64-byte operand of LDTILECFG, palette 1
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Eight tiles of 16 rows of 64 bytes (block and half_block say what each holds).
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
 
 // x [M, K] float32 -> its high halves and residues as bf16 [Mp, Kp] (row stride Kp, zero-padded).
 void split_rows(const float* x, int64_t M, int64_t K, int64_t Kp, bf16* high, bf16* low) {
@@ -182,7 +150,7 @@ void half_block(const bf16* xh, const bf16* xl, int64_t ldx_bytes, const bf16* p
 
 bool amx_gemm_built() {
 #if defined(BATCHINFER_AMX)
-  return request_amx_permission();
+  return request_amx_tiles();
 #else
   return false;
 #endif
@@ -208,7 +176,7 @@ torch::Tensor pack_amx_weight(torch::Tensor weight) {
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                          int64_t out_features) {
 #if defined(BATCHINFER_AMX)
-  TORCH_CHECK(request_amx_permission(), "amx_linear: the kernel refused AMX's tile state (arch_prctl)");
+  TORCH_CHECK(request_amx_tiles(), "amx_linear: the kernel refused AMX's tile state (arch_prctl)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "amx_linear: x a float32 [M, K] CPU tensor");
   TORCH_CHECK(packed.dim() == 5 && packed.size(2) == 4 && packed.size(3) == 16 && packed.size(4) == 32 &&
@@ -239,7 +207,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   // Each thread takes a contiguous run of column-tile pairs (its weights) and, chunk by chunk of rows,
   // every 32-row block against each of them.
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
-    configure_tiles();
+    configure_amx_tiles();
     alignas(64) float out[kBlockRows * kBlockCols];
     for (int64_t c0 = 0; c0 < Mp; c0 += kChunkRows) {
       const int64_t c1 = std::min(Mp, c0 + kChunkRows);

@@ -26,6 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm_built", &amx_gemm_built, "amx_gemm_built");
   m.def("pack_amx_weight", torch::wrap_pybind_function(pack_amx_weight), "pack_amx_weight");
   m.def("amx_linear", torch::wrap_pybind_function(amx_linear), "amx_linear");
+  m.def("pack_amx_blocks", torch::wrap_pybind_function(pack_amx_blocks), "pack_amx_blocks");
+  m.def("amx_block_linear", torch::wrap_pybind_function(amx_block_linear), "amx_block_linear");
   m.def("screen_argmax_logits", torch::wrap_pybind_function(screen_argmax_logits), "screen_argmax_logits");
   bind_decoder_stack(m);
 }

@@ -62,6 +62,12 @@ torch::Tensor pack_amx_weight(torch::Tensor weight);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                          int64_t out_features);
 
+// amx_block_gemm.cpp: float32 x times a weight of 4-bit blocks (W = d q + m per 32 inputs) in float32
+// arithmetic on AMX bf16 tiles (exact products); runs where amx_gemm_built().
+std::vector<torch::Tensor> pack_amx_blocks(torch::Tensor q, torch::Tensor d, torch::Tensor m);
+torch::Tensor amx_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                               c10::optional<torch::Tensor> bias, int64_t out_features);
+
 // greedy_head.cpp
 // Greedy rows of a float32 LM head: out[rows[r]] = x[r] . w_v for the tokens v that can be row r's argmax
 // (screened from approx[r], the bf16 GEMM of the row), -inf for the others; returns the candidates counted.

@@ -25,15 +25,17 @@ constexpr double kTinyRowMax = 1e-12;  // weight_packing.TINY_ROW_MAX: an all-ze
 
 // How a linear's weight is packed (weight_packing.py's kernels; the values are NativeLinearKind there).
 enum LinearKind : int64_t {
-  kAtenLinear = 0, kOneDnnLinear = 1, kInt8Linear = 2, kPanelLinear = 3, kAmxLinear = 4
+  kAtenLinear = 0, kOneDnnLinear = 1, kInt8Linear = 2, kPanelLinear = 3, kAmxLinear = 4, kAmxBlockLinear = 5
 };
 
 struct NativeLinear {
   int64_t kind = kAtenLinear;
   torch::Tensor weight;                // aten: the dense [N, K] weight; oneDNN: the prepacked weight (float32
                                        // under bf16 activations where oneDNN has no bf16 GEMM); panel: the
-                                       // [P, K, 16] panels of pack_panels; amx: pack_amx_weight's halves
-  int64_t out_features = 0;            // panel / amx: N (the last panel or tile may be padded)
+                                       // [P, K, 16] panels of pack_panels; amx: pack_amx_weight's halves;
+                                       // amx blocks: pack_amx_blocks' codes
+  torch::Tensor scales;                // amx blocks: pack_amx_blocks' scales (d, m per group)
+  int64_t out_features = 0;            // panel / amx / amx blocks: N (the last panel or tile may be padded)
   c10::optional<torch::Tensor> bias;   // aten / oneDNN: in the GEMM; int8 per token: added after rescaling
   c10::IValue packed;                  // int8: fbgemm's / oneDNN's LinearPackedParamsBase (bias inside, per
                                        // tensor)
@@ -44,6 +46,7 @@ struct NativeLinear {
 torch::Tensor run_linear(const NativeLinear& l, const torch::Tensor& x) {
   if (l.kind == kPanelLinear) return panel_linear(x, l.weight, l.bias, l.out_features);
   if (l.kind == kAmxLinear) return amx_linear(x, l.weight, l.bias, l.out_features);
+  if (l.kind == kAmxBlockLinear) return amx_block_linear(x, l.weight, l.scales, l.bias, l.out_features);
   if (l.kind == kOneDnnLinear) {
     static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     // A float32 weight under bf16 activations: bf16 where oneDNN has no bf16 GEMM (weight_packing's
@@ -81,7 +84,7 @@ torch::Tensor run_linear(const NativeLinear& l, const torch::Tensor& x) {
 NativeLinear make_linear(int64_t kind, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                          py::object packed, bool per_token, bool reduce_range, int64_t out_features) {
   TORCH_CHECK(kind == kAtenLinear || kind == kOneDnnLinear || kind == kInt8Linear || kind == kPanelLinear ||
-                  kind == kAmxLinear,
+                  kind == kAmxLinear || kind == kAmxBlockLinear,
               "unknown linear kind");
   NativeLinear l;
   l.kind = kind;
@@ -94,6 +97,7 @@ NativeLinear make_linear(int64_t kind, torch::Tensor weight, c10::optional<torch
     TORCH_CHECK(packed_type != nullptr, "torch's quantized LinearPackedParamsBase is not registered");
     l.packed = torch::jit::toIValue(packed, packed_type);
   }
+  if (kind == kAmxBlockLinear) l.scales = packed.cast<torch::Tensor>();
   l.per_token = per_token;
   l.reduce_range = reduce_range;
   return l;

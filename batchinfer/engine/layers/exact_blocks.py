@@ -1,0 +1,124 @@
+"""A GGUF model's float32 linears on AMX tiles over its exact 4-bit blocks (csrc/amx_block_gemm.cpp).
+
+Why: a model de-quantized from a Q4_0 / Q4_1 file (SmolLM2's alias is Q4_1) holds float32 weights that are
+exactly W = d q + m per group of 32 inputs (q in 0..15, d and m the file's fp16 scales): 4.5 bits of
+information in 32. Its float32 GEMMs on AVX-512 FMAs are arithmetic-bound from ~16 rows. The block kernel
+multiplies float32 x by the codes on AMX's bf16 tiles with every product exact (x split into three
+bfloat16s; q is an integer below 16) and every sum in float32, then scales each 32-input group's sums by d
+and adds m times the group's sum of x: float32 arithmetic on the same weights, regrouped (its largest
+error against float64 is below the panel GEMM's in tests/engine/test_exact_blocks.py), at 2.25 bytes per
+parameter instead of 4. Unlike float32_matmul_precision "high" (bf16x3), no bit of a weight or of x is
+dropped, so it runs under every float32_matmul_precision, "highest" included.
+
+When: float32 on CPU, no quantization, one rank (no tensor or pipeline parallelism), BATCHINFER_CPU_LINEAR
+unset ("auto"; "panel" / "onednn" keep those kernels: the A/B switch), the native kernels built with AMX
+bf16 and granted the tile state, and the model named by an alias or a .gguf path. Each decoder layer's
+fused linear whose parts are all Q4_0 / Q4_1 blocks and whose loaded float32 weight equals d q + m
+exactly (every element compared in float64 at load: a permuted row or a rounded sum fails it) runs here;
+any other keeps its kernel (logged). The LM head keeps its own (the greedy head screen reads its table).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from batchinfer.engine.layers.amx_linear import amx_extension
+from batchinfer.engine.layers.gguf_weights import GGUF_PARTS, GROUP_SIZE, BlockWeight, _Reader
+from batchinfer.engine.native.cpu_features import CPU_LINEAR_ENV
+
+if TYPE_CHECKING:
+    from batchinfer.engine.layers.linear import LinearBase
+    from batchinfer.engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class ExactBlockLinear:
+    """x -> x @ W.T + bias for W = d q + m in 4-bit blocks, float32 on AMX tiles (amx_block_linear).
+
+    float32 in and out. A class so that worker/native_step.py can hand the codes to the C++ decoder stack.
+    """
+
+    def __init__(self, blocks: BlockWeight, bias: torch.Tensor | None, extension: Any) -> None:
+        if blocks.kind != "q4" or blocks.m is None:
+            raise ValueError(f"ExactBlockLinear: 4-bit blocks with offsets, not {blocks.kind}")
+        rows, columns = blocks.shape
+        nibbles = blocks.codes.reshape(rows, columns // GROUP_SIZE, GROUP_SIZE // 2)
+        codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, columns).contiguous()
+        self.codes, self.scales = extension.pack_amx_blocks(codes, blocks.d.float().contiguous(),
+                                                            blocks.m.float().contiguous())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.out_features, self.in_features = rows, columns
+        self._extension = extension
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"ExactBlockLinear: x has {x.shape[-1]} features, the weight {self.in_features}")
+        if x.dim() != 2:  # the engine's activations are [T, features]; keep any other caller working
+            return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        if x.dtype != torch.float32 or x.stride(-1) != 1:
+            x = x.float().contiguous()
+        return self._extension.amx_block_linear(x, self.codes, self.scales, self.bias, self.out_features)
+
+
+def exactly_equal(blocks: BlockWeight, weight: torch.Tensor) -> bool:
+    """True when the float32 weight is d q + m of the blocks, element for element, with no rounding."""
+    if blocks.kind != "q4" or blocks.m is None or tuple(weight.shape) != blocks.shape \
+            or weight.dtype != torch.float32:
+        return False
+    rows, columns = blocks.shape
+    nibbles = blocks.codes.reshape(rows, columns // GROUP_SIZE, GROUP_SIZE // 2)
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).double()
+    exact = (q * blocks.d.double()[..., None] + blocks.m.double()[..., None]).reshape(rows, columns)
+    return bool(torch.equal(exact, weight.detach().double()))
+
+
+def exact_blocks_source(*, model: str, dtype: torch.dtype, device: torch.device, quantization: str | None,
+                        ranks: int) -> Path | None:
+    """The .gguf file whose blocks a model of this configuration runs its linears on, or None (see When)."""
+    if not (dtype == torch.float32 and device.type == "cpu" and quantization is None and ranks == 1
+            and os.environ.get(CPU_LINEAR_ENV, "auto") == "auto"):
+        return None
+    from batchinfer.engine.model_files import gguf_source
+
+    source = gguf_source(model)
+    return source if source is not None and amx_extension() is not None else None
+
+
+def pack_exact_blocks(model: nn.Module, gguf_path: Path) -> int:
+    """Give each decoder linear whose float32 weight is exactly its GGUF blocks the block kernel; how many."""
+    extension = amx_extension()
+    if extension is None:
+        return 0
+    reader = _Reader(gguf_path)
+    llama = cast("LlamaForCausalLM", model)
+    packed, kept = 0, []
+    for index, layer in enumerate(llama.model.layers):
+        for module_name, parts in GGUF_PARTS.items():
+            module = cast("LinearBase", layer.get_submodule(module_name))
+            weight = _dense_float32(module)
+            blocks = reader.layer_blocks(index, parts, llama.config)
+            if weight is None or blocks is None or not exactly_equal(blocks, weight):
+                kept.append(f"layers.{index}.{module_name}")
+                continue
+            module.packed = ExactBlockLinear(blocks, module.effective_bias(), extension)
+            if module.weight.numel() > 0:  # kept dense (no panels): the codes replace it
+                module.weight.data = module.weight.data.new_empty(0)
+            packed += 1
+    if kept:
+        logger.info("exact 4-bit blocks: %d linears on AMX, %d keep their kernel (not exactly d q + m "
+                    "blocks): %s", packed, len(kept), ", ".join(kept[:8]))
+    return packed
+
+
+def _dense_float32(module: LinearBase) -> torch.Tensor | None:
+    from batchinfer.engine.layers.amx_linear import dense_weight
+
+    found = dense_weight(module)
+    return None if found is None else found[0]
