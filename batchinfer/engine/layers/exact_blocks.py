@@ -6,7 +6,7 @@ information in 32. Its float32 GEMMs on AVX-512 FMAs are arithmetic-bound from ~
 multiplies float32 x by the codes on AMX's bf16 tiles with every product exact (x split into three
 bfloat16s; q is an integer below 16) and every sum in float32, then scales each 32-input group's sums by d
 and adds m times the group's sum of x: float32 arithmetic on the same weights, regrouped (its largest
-error against float64 is below the panel GEMM's in tests/engine/test_exact_blocks.py), at 2.25 bytes per
+error against float64 is below the panel GEMM's in tests/engine/test_exact_blocks.py), at 0.75 bytes per
 parameter instead of 4. Unlike float32_matmul_precision "high" (bf16x3), no bit of a weight or of x is
 dropped, so it runs under every float32_matmul_precision, "highest" included.
 

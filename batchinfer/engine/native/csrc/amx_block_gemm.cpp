@@ -3,20 +3,25 @@
 //
 // Why: a float32 model de-quantized from such a file (SmolLM2's GGUF is Q4_1) holds weights that are
 // exactly d q + m (engine/layers/exact_blocks.py checks every one, bit for bit, at load), and a float32
-// GEMM on AVX-512 FMAs is arithmetic-bound at a decode step's 32-96 rows. Here every product is exact and
-// every sum is float32, as in an IEEE float32 GEMM: x is split into three bfloat16s, x = x0 + x1 + x2
-// exactly (24 significant bits in three 8-bit parts), q is an integer below 16 (exact in bf16), so each
-// tile product xi q is exact in float32 and the tiles sum them in float32. Per group g of 32 inputs:
+// GEMM on AVX-512 FMAs streams 4 bytes per weight and is arithmetic-bound from ~16 rows. Here every product
+// is exact and every sum is float32, as in an IEEE float32 GEMM: x is split into three bfloat16s,
+// x = x0 + x1 + x2 exactly (24 significant bits in three 8-bit parts), q is an integer below 16 (exact in
+// bf16), so each tile product xi q is exact in float32 and the tiles sum them in float32. Per group g of
+// 32 inputs:
 //     y[r, n] += d[g, n] * S[r, n] + m[g, n] * X[r, g],   S = sum over k in g of x[r, k] q[k, n] (tiles),
 //                                                       X = sum over k in g of x[r, k] (float32)
 // which is x W regrouped: the errors are float32 rounding of other sums, not of the weights (unlike
 // float32_matmul_precision "high", which drops ~16 bits of each). Three bf16 tile products per weight, as
-// "high"; the weight streams as 2.25 bytes per parameter (codes as bf16, d and m per 32) instead of 4.
+// "high"; the weight streams as 0.75 bytes per parameter (4-bit codes, float32 d and m per 32) instead of
+// 4, and each pair and group's codes are widened to bf16 in L1 (a table lookup) before the tiles load them.
+// A non-finite x value makes its row's outputs nan where IEEE float32 may give +-inf (inf - inf parts).
 //
-// Layout (pack_amx_blocks): codes [NB / 2, G, 2, 16, 32] bfloat16, NB = N / 16 rounded up to even; per
-// column-tile pair and group, two AMX B operands (the pair's column tiles) in VNNI order: row r holds, per
-// column j, (q[16 nb + j, 32 g + 2 r], q[16 nb + j, 32 g + 2 r + 1]). scales [NB / 2, G, 2, 32] float32:
-// per pair and group, d of the pair's 32 columns, then m. Padding columns are zero.
+// Layout (pack_amx_blocks): codes [NB / 2, G, 512] uint8, NB = N / 16 rounded up to even; per column-tile
+// pair and group, the two AMX B operands (the pair's column tiles, 512 codes each) in VNNI order, two codes
+// a byte: operand element e (row r = e / 32 holds, per column j, the pair (q[16 nb + j, 32 g + 2 r],
+// q[16 nb + j, 32 g + 2 r + 1])) of the pair's 1024 is byte 32 (e / 64) + e % 32, its low nibble where
+// e % 64 < 32, else its high one. scales [NB / 2, G, 2, 32] float32: per pair and group, d of the pair's 32
+// columns, then m. Padding columns are zero.
 
 #include "cpu_kernels.h"
 
@@ -29,10 +34,12 @@ namespace {
 
 constexpr int64_t kGroup = 32;          // inputs per block group: one tile step of k
 constexpr int64_t kPairCols = 32;       // output columns per column-tile pair
-constexpr int64_t kTileElems = 16 * 32;  // bf16 per B operand
+constexpr int64_t kTileElems = 16 * 32;    // bf16 per B operand
+constexpr int64_t kCodeBytes = kTileElems;  // bytes of a pair and group's 2 x 512 codes, two a byte
 constexpr int64_t kRowTile = 16;        // rows of x per accumulator tile
 constexpr int64_t kParts = 3;           // bf16 parts of a float32
-// Items (pair, group) ahead whose codes and scales the walk prefetches (the B operands wait on memory otherwise).
+// Items (pair, group) ahead whose codes and scales the walk prefetches into L2 (the widening waits on
+// memory otherwise; into L1, T0, measured no better).
 constexpr int64_t kPrefetchGroups = 2;
 // Column-tile pairs a thread walks group by group together (the walk in amx_block_linear): 4 ran a SmolLM2
 // step's 120 layer GEMMs 1.16-1.27x faster than 1 (pair by pair) at 1-96 rows; 8 no better than 4.
@@ -111,6 +118,23 @@ void split_exact(const float* x, int64_t M, int64_t K, int64_t Mp, bf16* parts, 
     _tile_stored(3, (s) + 16 * kPairCols + 16, kPairCols * sizeof(float)); \
   } while (0)
 
+// A pair and group's 1024 codes (512 bytes, two a byte) -> its two B operands as bf16: each code looked up
+// in a 32-entry table of bf16(0..15), one vpermw per 32 codes.
+inline void widen_codes(const uint8_t* codes, bf16* out) {
+  alignas(64) static const uint16_t table[32] = {
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120,
+      0x4130, 0x4140, 0x4150, 0x4160, 0x4170};  // bf16(i): float i's high half; 16.. unused
+  const __m512i lookup = _mm512_load_si512(table);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t c = 0; c < kCodeBytes / 32; ++c) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c));
+    const __m256i lo = _mm256_and_si256(bytes, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+    _mm512_store_si512(out + 64 * c, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(lo), lookup));
+    _mm512_store_si512(out + 64 * c + 32, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(hi), lookup));
+  }
+}
+
 // acc[r] += d S[r] + X[r] m over a tile's valid rows (acc and s rows are 32 floats).
 inline void scale_group(float* acc, const float* s, const float* sums, int64_t G, int64_t rows,
                         const float* scale) {
@@ -138,11 +162,14 @@ std::vector<torch::Tensor> pack_amx_blocks(torch::Tensor q, torch::Tensor d, tor
   TORCH_CHECK(d.sizes() == at::IntArrayRef({N, G}) && m.sizes() == at::IntArrayRef({N, G}),
               "pack_amx_blocks: d and m [N, K / 32]");
   const int64_t pairs = (N + kPairCols - 1) / kPairCols, Np = pairs * kPairCols;
-  torch::Tensor codes = torch::zeros({Np, K}, q.options().dtype(at::kBFloat16));
+  torch::Tensor codes = torch::zeros({Np, K}, q.options());
   codes.narrow(0, 0, N).copy_(q);
   // [Np, K] -> [pairs, 2 tiles, 16 cols, G, 16 k pairs, 2] -> [pairs, G, 2 tiles, 16 k pairs, 16 cols, 2]
   codes = codes.view({pairs, 2, 16, G, 16, 2}).permute({0, 3, 1, 4, 2, 5}).contiguous()
-              .view({pairs, G, 2, 16, 32});
+              .view({pairs, G, kCodeBytes / 32, 2, 32});
+  // two codes a byte: byte j of each 32-byte chunk c holds code 64 c + j (low nibble) and 64 c + 32 + j
+  codes = codes.select(3, 0).bitwise_or(codes.select(3, 1).bitwise_left_shift(4))
+              .reshape({pairs, G, kCodeBytes});
   torch::Tensor scales = torch::zeros({2, Np, G}, d.options().dtype(at::kFloat));
   scales[0].narrow(0, 0, N).copy_(d);
   scales[1].narrow(0, 0, N).copy_(m);
@@ -157,9 +184,9 @@ torch::Tensor amx_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   TORCH_CHECK(request_amx_tiles(), "amx_block_linear: the kernel refused AMX's tile state (arch_prctl)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "amx_block_linear: x a float32 [M, K] CPU tensor");
-  TORCH_CHECK(codes.dim() == 5 && codes.size(2) == 2 && codes.size(3) == 16 && codes.size(4) == 32 &&
-                  codes.scalar_type() == at::kBFloat16 && codes.is_contiguous(),
-              "amx_block_linear: codes [NB / 2, G, 2, 16, 32] bfloat16 from pack_amx_blocks");
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kCodeBytes && codes.scalar_type() == at::kByte &&
+                  codes.is_contiguous(),
+              "amx_block_linear: codes [NB / 2, G, 512] uint8 from pack_amx_blocks");
   const int64_t M = x.size(0), K = x.size(1), pairs = codes.size(0), G = codes.size(1), N = out_features;
   TORCH_CHECK(K == G * kGroup, "amx_block_linear: x's K is not the codes' 32 * G");
   TORCH_CHECK(scales.sizes() == at::IntArrayRef({pairs, G, 2, kPairCols}) &&
@@ -181,7 +208,7 @@ torch::Tensor amx_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   bf16* xp = parts.data_ptr<at::BFloat16>();
   float* sp = sums.data_ptr<float>();
   split_exact(xc.data_ptr<float>(), M, K, Mp, xp, sp);
-  const bf16* cp = codes.data_ptr<at::BFloat16>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* scp = scales.data_ptr<float>();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
@@ -195,6 +222,7 @@ torch::Tensor amx_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
     float* acc_base =
         reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc_buffer.data()) + 63) & ~uintptr_t(63));
     alignas(64) float s[2 * kRowTile * kPairCols];
+    alignas(64) bf16 b[2 * kTileElems];  // the current pair and group's two B operands, widened
     // Pairs in blocks, each block's groups in order and every pair of the block per group: a group's x
     // parts (3 x 64 bytes per row) stay in L1 across the block's pairs (walking one pair's groups at a
     // time fetched each group's from L2 again for every pair: 1.16-1.27x slower at 1-96 rows).
@@ -203,18 +231,18 @@ torch::Tensor amx_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
       std::fill(acc_base, acc_base + count * Mp * kPairCols, 0.0f);
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t p = pb; p < pe; ++p) {
-          const bf16* b = cp + (p * G + g) * 2 * kTileElems;
+          widen_codes(cp + (p * G + g) * kCodeBytes, b);
           const float* scale = scp + (p * G + g) * 2 * kPairCols;
           {  // the operands kPrefetchGroups items ahead in this walk (the block's next group past its end)
             const int64_t ahead = (p - pb) + kPrefetchGroups;
             const int64_t ap = pb + ahead % count, ag = g + ahead / count;
             if (ag < G) {
-              const auto* lines = reinterpret_cast<const char*>(cp + (ap * G + ag) * 2 * kTileElems);
-              for (int64_t line = 0; line < 2 * kTileElems * int64_t(sizeof(bf16)); line += 64)
-                _mm_prefetch(lines + line, _MM_HINT_T0);
+              const auto* lines = reinterpret_cast<const char*>(cp + (ap * G + ag) * kCodeBytes);
+              for (int64_t line = 0; line < kCodeBytes; line += 64)
+                _mm_prefetch(lines + line, _MM_HINT_T1);
               const auto* scale_lines = reinterpret_cast<const char*>(scp + (ap * G + ag) * 2 * kPairCols);
               for (int64_t line = 0; line < 2 * kPairCols * int64_t(sizeof(float)); line += 64)
-                _mm_prefetch(scale_lines + line, _MM_HINT_T0);
+                _mm_prefetch(scale_lines + line, _MM_HINT_T1);
             }
           }
           _tile_loadd(6, b, 64);
