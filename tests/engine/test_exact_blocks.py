@@ -168,3 +168,15 @@ def test_a_weight_one_ulp_off_its_blocks_keeps_its_kernel(smollm2, single_thread
         assert model.model.layers[2].mlp.down_proj.weight.numel() == 0  # the codes replace the dense copy
     finally:
         engine.close()
+
+
+def test_embeddings_add_bf16x3_beside_the_blocks(smollm2_float32) -> None:
+    """float32_matmul_precision "auto": embeddings run bf16x3 (its GEMM is faster at 1000s of rows) over
+    the blocks' exact weight; generation keeps the blocks."""
+    runner = smollm2_float32["auto"].model_runner
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    vectors = torch.tensor(runner.embed([[5, 9, 2, 7, 11, 3], [8, 1, 4]]))
+    assert isinstance(qkv.packed, ExactBlockLinear) and isinstance(qkv.packed_high, amx_linear.AmxLinear)
+    assert qkv.packed.weight().shape == (qkv.packed_high.out_features, qkv.packed_high.in_features)
+    assert vectors.shape == (2, runner.model.config.hidden_size)
+    assert torch.isfinite(vectors).all()

@@ -70,12 +70,15 @@ def amx_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | No
 
 
 def dense_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """A float32 linear's exact weight and bias, kept dense or unpacked from its panels, else None."""
+    """A float32 linear's exact weight and bias: kept dense, or from its panels or exact blocks; else None."""
+    from batchinfer.engine.layers.exact_blocks import ExactBlockLinear
     from batchinfer.engine.layers.linear import LinearBase
     from batchinfer.engine.layers.weight_packing import PanelLinear
 
     packed = getattr(module, "packed", None)
     if isinstance(packed, PanelLinear) and packed.panels.dtype == torch.float32:
+        return packed.weight(), packed.bias
+    if isinstance(packed, ExactBlockLinear):
         return packed.weight(), packed.bias
     weight = getattr(module, "weight", None)
     if packed is None and isinstance(weight, torch.Tensor) and weight.numel() > 0 \
@@ -111,9 +114,9 @@ def _attach_bf16x3(model: nn.Module, *, replace: bool) -> int:
         if isinstance(module, ParallelLMHead) and not replace:
             continue  # embeddings pool hidden states: the head never runs there
         if isinstance(module, LinearBase) and (module.packed_high is not None
-                                               or isinstance(module.packed, ExactBlockLinear)):
-            count += 1  # exact blocks run on AMX tiles already, at float32's accuracy (exact_blocks.py)
-            continue
+                                               or replace and isinstance(module.packed, ExactBlockLinear)):
+            count += 1  # "high": exact blocks stay, as fast and exact (exact_blocks.py); "auto" adds bf16x3
+            continue    # beside them for embeddings (faster there, at 1000s of rows)
         found = dense_weight(module)
         kernel = None if found is None else amx_linear(*found)
         if kernel is None:

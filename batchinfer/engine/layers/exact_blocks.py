@@ -16,6 +16,9 @@ bf16 and granted the tile state, and the model named by an alias or a .gguf path
 fused linear whose parts are all Q4_0 / Q4_1 blocks and whose loaded float32 weight equals d q + m
 exactly (every element compared in float64 at load: a permuted row or a rounded sum fails it) runs here;
 any other keeps its kernel (logged). The LM head keeps its own (the greedy head screen reads its table).
+Under float32_matmul_precision "auto" embeddings still get bf16x3 beside the blocks (amx_linear.py, packed
+from weight(): its GEMM runs ~2x this one at the 1000s of rows an embeddings forward packs); "high" keeps
+the blocks for the linears (as fast at a decode step's rows, and exact).
 """
 
 from __future__ import annotations
@@ -53,9 +56,14 @@ class ExactBlockLinear:
         codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, columns).contiguous()
         self.codes, self.scales = extension.pack_amx_blocks(codes, blocks.d.float().contiguous(),
                                                             blocks.m.float().contiguous())
+        self.blocks = blocks  # the file's blocks: weight() de-quantizes them for the bf16x3 kernel
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = rows, columns
         self._extension = extension
+
+    def weight(self) -> torch.Tensor:
+        """The [N, K] float32 weight again, exactly (d q + m: what the load checked it equals)."""
+        return self.blocks.dequantize()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
