@@ -18,6 +18,7 @@ from batchinfer.engine.layers.exact_blocks import (
     ExactBlockLinear,
     exact_blocks_source,
     exactly_equal,
+    layer_blocks,
     pack_exact_blocks,
 )
 from batchinfer.engine.layers.gguf_weights import BlockWeight
@@ -180,3 +181,20 @@ def test_embeddings_add_bf16x3_beside_the_blocks(smollm2_float32) -> None:
     assert qkv.packed.weight().shape == (qkv.packed_high.out_features, qkv.packed_high.in_features)
     assert vectors.shape == (2, runner.model.config.hidden_size)
     assert torch.isfinite(vectors).all()
+
+
+def test_the_files_blocks_are_cached_and_a_damaged_cache_is_read_again(
+        smollm2_float32, tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path))
+    model, source = smollm2_float32["auto"].model_runner.model, gguf_source(SMOLLM2)
+    first = layer_blocks(source, model)
+    (cached,) = (tmp_path / "gguf_blocks").glob("*.safetensors")
+    assert len(first) == 120
+    second = layer_blocks(source, model)
+    assert second.keys() == first.keys()
+    assert all(torch.equal(second[k].codes, first[k].codes) and torch.equal(second[k].m, first[k].m)
+               for k in first)
+    cached.write_bytes(cached.read_bytes()[:1000])  # a cache cut short (a full disk, a killed writer)
+    third = layer_blocks(source, model)
+    assert "unreadable" in caplog.text and third.keys() == first.keys()
+    assert cached.stat().st_size > 1000  # written again whole

@@ -23,6 +23,7 @@ the blocks for the linears (as fast at a decode step's rows, and exact).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -33,6 +34,7 @@ from torch import nn
 
 from batchinfer.engine.layers.amx_linear import amx_extension
 from batchinfer.engine.layers.gguf_weights import GGUF_PARTS, GROUP_SIZE, BlockWeight, _Reader
+from batchinfer.engine.model_files import cache_dir
 from batchinfer.engine.native.cpu_features import CPU_LINEAR_ENV
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from batchinfer.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
+FIELDS = ("codes", "d", "m")  # a BlockWeight's tensors in the blocks cache, in constructor order
 
 
 class ExactBlockLinear:
@@ -104,14 +107,14 @@ def pack_exact_blocks(model: nn.Module, gguf_path: Path) -> int:
     extension = amx_extension()
     if extension is None:
         return 0
-    reader = _Reader(gguf_path)
     llama = cast("LlamaForCausalLM", model)
+    found = layer_blocks(gguf_path, llama)
     packed, kept = 0, []
     for index, layer in enumerate(llama.model.layers):
-        for module_name, parts in GGUF_PARTS.items():
+        for module_name in GGUF_PARTS:
             module = cast("LinearBase", layer.get_submodule(module_name))
             weight = _dense_float32(module)
-            blocks = reader.layer_blocks(index, parts, llama.config)
+            blocks = found.get((index, module_name))
             if weight is None or blocks is None or not exactly_equal(blocks, weight):
                 kept.append(f"layers.{index}.{module_name}")
                 continue
@@ -123,6 +126,44 @@ def pack_exact_blocks(model: nn.Module, gguf_path: Path) -> int:
         logger.info("exact 4-bit blocks: %d linears on AMX, %d keep their kernel (not exactly d q + m "
                     "blocks): %s", packed, len(kept), ", ".join(kept[:8]))
     return packed
+
+
+def layer_blocks(gguf_path: Path, model: LlamaForCausalLM) -> dict[tuple[int, str], BlockWeight]:
+    """Each decoder linear's 4-bit blocks in the file (Q / K rows in transformers' order), by (layer, name).
+
+    Cached as safetensors in the cache directory, keyed by the file's path, size and mtime: gguf's reader
+    takes ~4 s on SmolLM2's file (its tokenizer's strings), the cache ~0.1 s. A damaged cache is read again
+    from the file; the load's bit-for-bit check guards the weights either way.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    cached = cache_dir() / "gguf_blocks" / f"{gguf_path.stem}-{key[:16]}.safetensors"
+    if cached.is_file():
+        try:
+            tensors = load_file(cached)
+            return {(int(layer), name): BlockWeight("q4", *(tensors[f"{layer}:{name}:{f}"] for f in FIELDS))
+                    for layer, name, field in (k.split(":") for k in tensors) if field == "codes"}
+        except (SafetensorError, OSError, KeyError, ValueError) as exc:
+            logger.warning("exact 4-bit blocks: cache %s unreadable (%s); reading %s again", cached, exc,
+                           gguf_path)
+    reader = _Reader(gguf_path)
+    found: dict[tuple[int, str], BlockWeight] = {}
+    for index in range(len(model.model.layers)):
+        for module_name, parts in GGUF_PARTS.items():
+            blocks = reader.layer_blocks(index, parts, model.config)
+            if blocks is not None and blocks.kind == "q4" and blocks.m is not None:
+                found[(index, module_name)] = blocks
+    tensors = {f"{layer}:{name}:{field}": value.contiguous() for (layer, name), blocks in found.items()
+               for field, value in zip(FIELDS, (blocks.codes, blocks.d, blocks.m), strict=True)
+               if value is not None}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
+    save_file(tensors, partial)
+    os.replace(partial, cached)  # atomic: a concurrent reader sees the whole file or none
+    return found
 
 
 def _dense_float32(module: LinearBase) -> torch.Tensor | None:
