@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.layers import amx_linear, weight_packing
+from batchinfer.engine.layers import amx_linear, exact_blocks, weight_packing
 from batchinfer.engine.layers.exact_blocks import (
     ExactBlockLinear,
     exact_blocks_source,
@@ -92,6 +92,29 @@ def test_a_non_finite_input_spoils_only_its_own_row() -> None:
         ExactBlockLinear(blocks, None, EXT)(torch.randn(2, 32))
 
 
+@needs_amx
+def test_x_is_split_exactly_so_a_one_hot_weight_returns_it_bit_for_bit() -> None:
+    """d = 1, m = 0, one code 1 per column: y = x, bit for bit, for normal values down to ~2^-100 (near
+    powers of two, negatives, zeros); a subnormal x counts as zero (bf16 conversions and AMX flush it)."""
+    k = 64
+    codes = torch.zeros(k, k, dtype=torch.uint8)
+    codes[torch.arange(k), torch.arange(k)] = 1  # column n reads x[:, n]
+    nibbles = codes.reshape(k, k // 32, 2, 16)
+    packed = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(k, k // 2)
+    blocks = BlockWeight("q4", packed, torch.ones(k, k // 32), torch.zeros(k, k // 32))
+    assert torch.equal(blocks.dequantize(), torch.eye(k))
+    one = torch.tensor(1.0)
+    values = [1.0, -1.0, 0.0, -0.0, 1 / 3, -2 / 3, 1e-30, 2.0 ** -100, 123456.789, 3.0e38,
+              float(torch.nextafter(one, torch.tensor(2.0))), float(torch.nextafter(one, torch.tensor(0.0))),
+              float(torch.nextafter(torch.tensor(2.0), one)), 0.1 + 2.0 ** -20, -7.0e-5]
+    gen = torch.Generator().manual_seed(11)
+    x = torch.cat([torch.tensor(values), torch.randn(k * 3 - len(values), generator=gen) * 1e3]).reshape(3, k)
+    assert torch.equal(ExactBlockLinear(blocks, None, EXT)(x), x)
+    tiny = torch.zeros(1, k)
+    tiny[0, 0] = 1e-40  # subnormal
+    assert ExactBlockLinear(blocks, None, EXT)(tiny)[0, 0] == 0.0
+
+
 def test_only_a_weight_equal_to_its_blocks_bit_for_bit_is_admitted() -> None:
     blocks = random_q4(8, 64, seed=6)
     weight = blocks.dequantize()
@@ -104,8 +127,17 @@ def test_only_a_weight_equal_to_its_blocks_bit_for_bit_is_admitted() -> None:
     assert not exactly_equal(BlockWeight("q8", torch.zeros(8, 64, dtype=torch.int8), blocks.d, None), weight)
 
 
+def test_the_check_compares_in_row_chunks_to_the_last_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(exact_blocks, "CHECK_ELEMENTS", 128)  # two rows of 64 at a time
+    blocks = random_q4(9, 64, seed=12)
+    weight = blocks.dequantize()
+    assert exactly_equal(blocks, weight)
+    weight[8, 63] = torch.nextafter(weight[8, 63], torch.tensor(-1.0))
+    assert not exactly_equal(blocks, weight)
+
+
 def test_the_kernel_runs_only_for_a_float32_gguf_model_on_one_cpu_rank(
-        tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
+        smollm2, tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     monkeypatch.delenv("BATCHINFER_CPU_LINEAR", raising=False)
     common = {"model": SMOLLM2, "dtype": torch.float32, "device": cpu, "quantization": None, "ranks": 1}
@@ -198,3 +230,20 @@ def test_the_files_blocks_are_cached_and_a_damaged_cache_is_read_again(
     third = layer_blocks(source, model)
     assert "unreadable" in caplog.text and third.keys() == first.keys()
     assert cached.stat().st_size > 1000  # written again whole
+
+
+def test_a_cache_that_cannot_be_written_costs_only_the_cache(
+        smollm2_float32, tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(blocker / "cache"))  # mkdir fails: NotADirectoryError
+    found = layer_blocks(gguf_source(SMOLLM2), smollm2_float32["auto"].model_runner.model)
+    assert len(found) == 120 and "could not cache them" in caplog.text
+    assert blocker.read_text() == "not a directory"
+
+
+def test_the_blocks_are_kept_only_where_embeddings_may_want_bf16x3(smollm2_float32) -> None:
+    qkv = smollm2_float32["auto"].model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.packed, ExactBlockLinear) and qkv.packed.weight() is not None  # "auto"
+    bare = ExactBlockLinear(random_q4(32, 64, seed=13), None, EXT) if EXT is not None else None
+    assert bare is None or bare.weight() is None  # the default: the packed codes only

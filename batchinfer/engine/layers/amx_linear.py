@@ -79,7 +79,8 @@ def dense_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] 
     if isinstance(packed, PanelLinear) and packed.panels.dtype == torch.float32:
         return packed.weight(), packed.bias
     if isinstance(packed, ExactBlockLinear):
-        return packed.weight(), packed.bias
+        weight = packed.weight()  # None: the blocks were not kept (not "auto")
+        return None if weight is None else (weight, packed.bias)
     weight = getattr(module, "weight", None)
     if packed is None and isinstance(weight, torch.Tensor) and weight.numel() > 0 \
             and weight.dtype == torch.float32:

@@ -8,7 +8,9 @@ bfloat16s; q is an integer below 16) and every sum in float32, then scales each 
 and adds m times the group's sum of x: float32 arithmetic on the same weights, regrouped (its largest
 error against float64 is below the panel GEMM's in tests/engine/test_exact_blocks.py), at 0.75 bytes per
 parameter instead of 4. Unlike float32_matmul_precision "high" (bf16x3), no bit of a weight or of x is
-dropped, so it runs under every float32_matmul_precision, "highest" included.
+dropped, so it runs under every float32_matmul_precision, "highest" included. (As everywhere on AMX and in
+bf16 conversions, subnormal inputs count as zero, and below ~2^-110 the third part of x, itself subnormal,
+is dropped: values far below any activation's.)
 
 When: float32 on CPU, no quantization, one rank (no tensor or pipeline parallelism), BATCHINFER_CPU_LINEAR
 unset ("auto"; "panel" / "onednn" keep those kernels: the A/B switch), the native kernels built with AMX
@@ -26,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -33,8 +36,8 @@ import torch
 from torch import nn
 
 from batchinfer.engine.layers.amx_linear import amx_extension
-from batchinfer.engine.layers.gguf_weights import GGUF_PARTS, GROUP_SIZE, BlockWeight, _Reader
-from batchinfer.engine.model_files import cache_dir
+from batchinfer.engine.layers.gguf_weights import GGUF_PARTS, BlockWeight, _Reader
+from batchinfer.engine.model_files import cache_dir, gguf_source
 from batchinfer.engine.native.cpu_features import CPU_LINEAR_ENV
 
 if TYPE_CHECKING:
@@ -43,6 +46,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 FIELDS = ("codes", "d", "m")  # a BlockWeight's tensors in the blocks cache, in constructor order
+BLOCKS_CACHE_VERSION = 1  # in the cache key: a change to what layer_blocks stores (row order, parts) bumps it
+CHECK_ELEMENTS = 1 << 20  # elements exactly_equal compares at a time
 
 
 class ExactBlockLinear:
@@ -51,22 +56,24 @@ class ExactBlockLinear:
     float32 in and out. A class so that worker/native_step.py can hand the codes to the C++ decoder stack.
     """
 
-    def __init__(self, blocks: BlockWeight, bias: torch.Tensor | None, extension: Any) -> None:
+    def __init__(self, blocks: BlockWeight, bias: torch.Tensor | None, extension: Any, *,
+                 keep_blocks: bool = False) -> None:
         if blocks.kind != "q4" or blocks.m is None:
             raise ValueError(f"ExactBlockLinear: 4-bit blocks with offsets, not {blocks.kind}")
         rows, columns = blocks.shape
-        nibbles = blocks.codes.reshape(rows, columns // GROUP_SIZE, GROUP_SIZE // 2)
-        codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, columns).contiguous()
+        codes = blocks.q4_codes().reshape(rows, columns).contiguous()
         self.codes, self.scales = extension.pack_amx_blocks(codes, blocks.d.float().contiguous(),
                                                             blocks.m.float().contiguous())
-        self.blocks = blocks  # the file's blocks: weight() de-quantizes them for the bf16x3 kernel
+        # the file's blocks again (0.75 bytes per parameter), for weight(): only where embeddings may want
+        # bf16x3 beside the blocks (float32_matmul_precision "auto")
+        self.blocks = blocks if keep_blocks else None
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = rows, columns
         self._extension = extension
 
-    def weight(self) -> torch.Tensor:
-        """The [N, K] float32 weight again, exactly (d q + m: what the load checked it equals)."""
-        return self.blocks.dequantize()
+    def weight(self) -> torch.Tensor | None:
+        """The [N, K] float32 weight again, exactly (d q + m, as the load checked); None: blocks not kept."""
+        return None if self.blocks is None else self.blocks.dequantize()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -84,26 +91,35 @@ def exactly_equal(blocks: BlockWeight, weight: torch.Tensor) -> bool:
             or weight.dtype != torch.float32:
         return False
     rows, columns = blocks.shape
-    nibbles = blocks.codes.reshape(rows, columns // GROUP_SIZE, GROUP_SIZE // 2)
-    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).double()
-    exact = (q * blocks.d.double()[..., None] + blocks.m.double()[..., None]).reshape(rows, columns)
-    return bool(torch.equal(exact, weight.detach().double()))
+    step = max(1, CHECK_ELEMENTS // columns)  # float64 temporaries of a few MB, not the whole matrix's
+    for start in range(0, rows, step):
+        part = BlockWeight("q4", blocks.codes[start:start + step], blocks.d[start:start + step],
+                           blocks.m[start:start + step])
+        q = part.q4_codes().double()
+        exact = (q * part.d.double()[..., None] + cast(torch.Tensor, part.m).double()[..., None])
+        if not torch.equal(exact.reshape(-1, columns), weight[start:start + step].detach().double()):
+            return False
+    return True
 
 
 def exact_blocks_source(*, model: str, dtype: torch.dtype, device: torch.device, quantization: str | None,
                         ranks: int) -> Path | None:
     """The .gguf file whose blocks a model of this configuration runs its linears on, or None (see When)."""
     if not (dtype == torch.float32 and device.type == "cpu" and quantization is None and ranks == 1
-            and os.environ.get(CPU_LINEAR_ENV, "auto") == "auto"):
+            and os.environ.get(CPU_LINEAR_ENV, "auto") == "auto") or amx_extension() is None:
         return None
-    from batchinfer.engine.model_files import gguf_source
+    try:
+        return gguf_source(model)
+    except FileNotFoundError:  # an alias served from the conversion cache after its package went away
+        return None
 
-    source = gguf_source(model)
-    return source if source is not None and amx_extension() is not None else None
 
+def pack_exact_blocks(model: nn.Module, gguf_path: Path, *, keep_blocks: bool = False) -> int:
+    """Give each decoder linear whose float32 weight is exactly its GGUF blocks the block kernel; how many.
 
-def pack_exact_blocks(model: nn.Module, gguf_path: Path) -> int:
-    """Give each decoder linear whose float32 weight is exactly its GGUF blocks the block kernel; how many."""
+    keep_blocks: each kernel keeps the file's blocks too, for ExactBlockLinear.weight()
+    (float32_matmul_precision "auto": embeddings pack bf16x3 from it).
+    """
     extension = amx_extension()
     if extension is None:
         return 0
@@ -118,7 +134,8 @@ def pack_exact_blocks(model: nn.Module, gguf_path: Path) -> int:
             if weight is None or blocks is None or not exactly_equal(blocks, weight):
                 kept.append(f"layers.{index}.{module_name}")
                 continue
-            module.packed = ExactBlockLinear(blocks, module.effective_bias(), extension)
+            module.packed = ExactBlockLinear(blocks, module.effective_bias(), extension,
+                                             keep_blocks=keep_blocks)
             if module.weight.numel() > 0:  # kept dense (no panels): the codes replace it
                 module.weight.data = module.weight.data.new_empty(0)
             packed += 1
@@ -139,7 +156,8 @@ def layer_blocks(gguf_path: Path, model: LlamaForCausalLM) -> dict[tuple[int, st
     from safetensors.torch import load_file, save_file
 
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    identity = f"{BLOCKS_CACHE_VERSION}\0{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    key = hashlib.sha256(identity.encode()).hexdigest()
     cached = cache_dir() / "gguf_blocks" / f"{gguf_path.stem}-{key[:16]}.safetensors"
     if cached.is_file():
         try:
@@ -159,10 +177,18 @@ def layer_blocks(gguf_path: Path, model: LlamaForCausalLM) -> dict[tuple[int, st
     tensors = {f"{layer}:{name}:{field}": value.contiguous() for (layer, name), blocks in found.items()
                for field, value in zip(FIELDS, (blocks.codes, blocks.d, blocks.m), strict=True)
                if value is not None}
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
-    save_file(tensors, partial)
-    os.replace(partial, cached)  # atomic: a concurrent reader sees the whole file or none
+    partial: Path | None = None
+    try:  # only a speed-up: a cache that cannot be written (read-only, disk full) costs the next load ~4 s
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=f".{cached.name}.", suffix=".tmp", dir=cached.parent)
+        os.close(handle)
+        partial = Path(name)
+        save_file(tensors, partial)
+        os.replace(partial, cached)  # atomic: a concurrent reader sees the whole file or none
+    except OSError as exc:
+        logger.warning("exact 4-bit blocks: could not cache them in %s (%s)", cached.parent, exc)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
     return found
 
 

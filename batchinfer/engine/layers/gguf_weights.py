@@ -115,6 +115,12 @@ class BlockWeight:
         m = None if self.m is None else self.m[index]
         return BlockWeight(self.kind, self.codes[index], self.d[index], m)
 
+    def q4_codes(self) -> torch.Tensor:
+        """A Q4 matrix's codes one per element, uint8 [rows, groups, 32] (the nibbles unpacked)."""
+        rows, columns = self.shape
+        nibbles = self.codes.reshape(rows, columns // GROUP_SIZE, GROUP_SIZE // 2)
+        return torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix the blocks stand for."""
         rows, columns = self.shape
@@ -122,8 +128,7 @@ class BlockWeight:
         if self.kind == "q8":
             q = self.codes.reshape(rows, groups, GROUP_SIZE).float()
             return (q * self.d[..., None]).reshape(rows, columns)
-        nibbles = self.codes.reshape(rows, groups, GROUP_SIZE // 2)
-        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
+        q = self.q4_codes().float()
         if self.m is None:
             raise ValueError(f"{self.kind} blocks carry no offsets m")
         return (q * self.d[..., None] + self.m[..., None]).reshape(rows, columns)

@@ -127,8 +127,9 @@ class ModelRunner:
         blocks_source = exact_blocks_source(
             model=config.model, dtype=self.dtype, device=self.device, quantization=config.quantization,
             ranks=config.tensor_parallel_size * config.pipeline_parallel_size)
-        if blocks_source is not None:
-            pack_exact_blocks(self.model, blocks_source)
+        if blocks_source is not None:  # "auto" keeps the blocks for the bf16x3 of embeddings
+            pack_exact_blocks(self.model, blocks_source,
+                              keep_blocks=config.resolved_float32_matmul_precision() == "auto")
         # float32 GEMMs on AMX (layers/amx_linear.py): "high" runs every step's in bf16x3; "auto" its
         # embeddings only (embed() gives the layers that kernel on first use)
         self.float32_matmul_precision = config.resolved_float32_matmul_precision()

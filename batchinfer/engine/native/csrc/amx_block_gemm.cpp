@@ -15,6 +15,8 @@
 // "high"; the weight streams as 0.75 bytes per parameter (4-bit codes, float32 d and m per 32) instead of
 // 4, and each pair and group's codes are widened to bf16 in L1 (a table lookup) before the tiles load them.
 // A non-finite x value makes its row's outputs nan where IEEE float32 may give +-inf (inf - inf parts).
+// As in every bf16 conversion and AMX product, subnormal x counts as zero, and below ~2^-110 x's third part
+// (subnormal itself) is dropped: far below any activation.
 //
 // Layout (pack_amx_blocks): codes [NB / 2, G, 512] uint8, NB = N / 16 rounded up to even; per column-tile
 // pair and group, the two AMX B operands (the pair's column tiles, 512 codes each) in VNNI order, two codes
@@ -51,8 +53,9 @@ constexpr int64_t kChunkRows = 128;
 
 #if defined(BATCHINFER_AMX_BLOCKS)
 
-// x [M, K] float32 -> parts [3, Mp, K] bf16 with x = x0 + x1 + x2 exactly, and sums [Mp, G] float32 (the
-// 32-input group sums). Rows M.. of both are the caller's (zeroed).
+// x [M, K] float32 -> parts [G, 3, Mp, 32] bf16 with x = x0 + x1 + x2 exactly (for normal x above ~2^-110:
+// the conversions treat subnormals as zero), and sums [Mp, G] float32 (the 32-input group sums). Rows M..
+// of both are the caller's (zeroed).
 void split_exact(const float* x, int64_t M, int64_t K, int64_t Mp, bf16* parts, float* sums) {
   const int64_t G = K / kGroup;
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
