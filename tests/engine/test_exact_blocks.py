@@ -245,5 +245,19 @@ def test_a_cache_that_cannot_be_written_costs_only_the_cache(
 def test_the_blocks_are_kept_only_where_embeddings_may_want_bf16x3(smollm2_float32) -> None:
     qkv = smollm2_float32["auto"].model_runner.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.packed, ExactBlockLinear) and qkv.packed.weight() is not None  # "auto"
-    bare = ExactBlockLinear(random_q4(32, 64, seed=13), None, EXT) if EXT is not None else None
-    assert bare is None or bare.weight() is None  # the default: the packed codes only
+    assert ExactBlockLinear(random_q4(32, 64, seed=13), None, EXT).weight() is None  # default: codes only
+
+
+@needs_amx
+def test_high_keeps_the_blocks_and_runs_the_head_in_bf16x3(smollm2, single_thread) -> None:
+    engine = Engine(EngineConfig(model=SMOLLM2, device="cpu", dtype="float32", adaptive_threads=False,
+                                 float32_matmul_precision="high"))
+    try:
+        model = engine.model_runner.model
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv.packed, ExactBlockLinear) and qkv.packed.weight() is None
+        assert isinstance(model.lm_head.packed, amx_linear.AmxLinear)
+        (tokens,) = generate(engine, ["The capital of France is"], 8)
+        assert len(tokens) == 8
+    finally:
+        engine.close()

@@ -19,7 +19,7 @@ steps whose AttentionContext sets float32_matmul_high run.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -69,18 +69,25 @@ def amx_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | No
     return AmxLinear(weight, bias, ext)
 
 
+@runtime_checkable
+class UnpacksExactly(Protocol):
+    """A packed kernel that gives its weight back exactly (PanelLinear, ExactBlockLinear), or None."""
+
+    bias: torch.Tensor | None
+
+    def weight(self) -> torch.Tensor | None:
+        """The [N, K] weight, exactly as packed; None where the kernel no longer holds it."""
+        ...
+
+
 def dense_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """A float32 linear's exact weight and bias: kept dense, or from its panels or exact blocks; else None."""
-    from batchinfer.engine.layers.exact_blocks import ExactBlockLinear
+    """A float32 linear's exact weight and bias: kept dense, or unpacked from its kernel; else None."""
     from batchinfer.engine.layers.linear import LinearBase
-    from batchinfer.engine.layers.weight_packing import PanelLinear
 
     packed = getattr(module, "packed", None)
-    if isinstance(packed, PanelLinear) and packed.panels.dtype == torch.float32:
-        return packed.weight(), packed.bias
-    if isinstance(packed, ExactBlockLinear):
-        weight = packed.weight()  # None: the blocks were not kept (not "auto")
-        return None if weight is None else (weight, packed.bias)
+    if isinstance(packed, UnpacksExactly):  # exact blocks without their blocks (not "auto") give None
+        unpacked = packed.weight()
+        return (unpacked, packed.bias) if unpacked is not None and unpacked.dtype == torch.float32 else None
     weight = getattr(module, "weight", None)
     if packed is None and isinstance(weight, torch.Tensor) and weight.numel() > 0 \
             and weight.dtype == torch.float32:
@@ -105,7 +112,6 @@ def with_high_precision(model: nn.Module, *, replace: bool = False) -> int:
 
 def _attach_bf16x3(model: nn.Module, *, replace: bool) -> int:
     from batchinfer.engine.layers.embed_head import ParallelLMHead
-    from batchinfer.engine.layers.exact_blocks import ExactBlockLinear
     from batchinfer.engine.layers.linear import LinearBase
 
     count = 0
@@ -114,10 +120,9 @@ def _attach_bf16x3(model: nn.Module, *, replace: bool) -> int:
             continue
         if isinstance(module, ParallelLMHead) and not replace:
             continue  # embeddings pool hidden states: the head never runs there
-        if isinstance(module, LinearBase) and (module.packed_high is not None
-                                               or replace and isinstance(module.packed, ExactBlockLinear)):
-            count += 1  # "high": exact blocks stay, as fast and exact (exact_blocks.py); "auto" adds bf16x3
-            continue    # beside them for embeddings (faster there, at 1000s of rows)
+        if isinstance(module, LinearBase) and module.packed_high is not None:
+            count += 1
+            continue
         found = dense_weight(module)
         kernel = None if found is None else amx_linear(*found)
         if kernel is None:

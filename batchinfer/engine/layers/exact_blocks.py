@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from batchinfer.engine.layers.amx_linear import amx_extension
-from batchinfer.engine.layers.gguf_weights import GGUF_PARTS, BlockWeight, _Reader
+from batchinfer.engine.layers.gguf_weights import GGUF_PARTS, BlockWeight, GGUFBlockReader
 from batchinfer.engine.model_files import cache_dir, gguf_source
 from batchinfer.engine.native.cpu_features import CPU_LINEAR_ENV
 
@@ -167,7 +167,7 @@ def layer_blocks(gguf_path: Path, model: LlamaForCausalLM) -> dict[tuple[int, st
         except (SafetensorError, OSError, KeyError, ValueError) as exc:
             logger.warning("exact 4-bit blocks: cache %s unreadable (%s); reading %s again", cached, exc,
                            gguf_path)
-    reader = _Reader(gguf_path)
+    reader = GGUFBlockReader(gguf_path)
     found: dict[tuple[int, str], BlockWeight] = {}
     for index in range(len(model.model.layers)):
         for module_name, parts in GGUF_PARTS.items():

@@ -203,7 +203,7 @@ def block_lookup(weight: BlockWeight, dtype: torch.dtype) -> Callable[[torch.Ten
     return lookup
 
 
-class _Reader:
+class GGUFBlockReader:
     """The GGUF file's tensors by name, decoded on request."""
 
     def __init__(self, gguf_path: str | Path) -> None:
@@ -266,7 +266,7 @@ def pack_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> tuple[set[nn.Mo
     The dense weights of the packed modules are released (the embedding table too once the embedding and
     a tied head both run on blocks). Raises GGUFMismatchError when blocks do not reproduce a loaded weight.
     """
-    reader = _Reader(gguf_path)
+    reader = GGUFBlockReader(gguf_path)
     llama = cast("LlamaForCausalLM", model)
     config = llama.config
     packed: set[nn.Module] = set()

@@ -123,16 +123,17 @@ class ModelRunner:
         pack_weights(self.model, self.device, config.quantization,  # CPU: oneDNN / int8 / GGUF 4-bit kernels
                      model_path=self.model_path, max_model_len=self.max_model_len,
                      gguf_path=self.gguf_path)
-        # a GGUF model's float32 linears on AMX over the file's exact 4-bit blocks (layers/exact_blocks.py)
-        blocks_source = exact_blocks_source(
-            model=config.model, dtype=self.dtype, device=self.device, quantization=config.quantization,
-            ranks=config.tensor_parallel_size * config.pipeline_parallel_size)
-        if blocks_source is not None:  # "auto" keeps the blocks for the bf16x3 of embeddings
-            pack_exact_blocks(self.model, blocks_source,
-                              keep_blocks=config.resolved_float32_matmul_precision() == "auto")
         # float32 GEMMs on AMX (layers/amx_linear.py): "high" runs every step's in bf16x3; "auto" its
         # embeddings only (embed() gives the layers that kernel on first use)
         self.float32_matmul_precision = config.resolved_float32_matmul_precision()
+        # a GGUF model's float32 linears on AMX over the file's exact 4-bit blocks (layers/exact_blocks.py),
+        # under every precision; "high" leaves them (no dense weight to replace them with), "auto" keeps the
+        # file's blocks for its embeddings' bf16x3
+        blocks_source = exact_blocks_source(
+            model=config.model, dtype=self.dtype, device=self.device, quantization=config.quantization,
+            ranks=config.tensor_parallel_size * config.pipeline_parallel_size)
+        if blocks_source is not None:
+            pack_exact_blocks(self.model, blocks_source, keep_blocks=self.float32_matmul_precision == "auto")
         self._embeddings_packed = False  # "auto": embed() has given the layers their bf16x3 kernel
         if self.float32_matmul_precision == "high":
             with_high_precision(self.model, replace=True)

@@ -275,14 +275,8 @@ torch::Tensor amx_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
         for (int64_t p = pb; p < pe; ++p) {
           const float* acc = acc_base + (p - pb) * chunk * kPairCols;
           const int64_t n0 = p * kPairCols, columns = std::min<int64_t>(kPairCols, N - n0);
-          for (int64_t r = c0; r < std::min(c1, M); ++r) {
-            float* dst = yp + r * N + n0;
-            const float* src = acc + (r - c0) * kPairCols;
-            if (bp != nullptr)
-              for (int64_t j = 0; j < columns; ++j) dst[j] = src[j] + bp[n0 + j];
-            else
-              std::memcpy(dst, src, columns * sizeof(float));
-          }
+          store_block_rows(acc, kPairCols, std::min(c1, M) - c0, columns, bp ? bp + n0 : nullptr,
+                           yp + c0 * N + n0, N);
         }
       }
     }

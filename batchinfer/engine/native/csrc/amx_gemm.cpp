@@ -220,15 +220,8 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
             half_block(xh + m0 * Kp, xl + m0 * Kp, ldx_bytes, pair, KB, m0 == c0, out);
           else
             block(xh + m0 * Kp, xl + m0 * Kp, ldx_bytes, pair, KB, m0 == c0, out);
-          const int64_t rows = std::min(kBlockRows, M - m0);
-          for (int64_t r = 0; r < rows; ++r) {
-            float* dst = yp + (m0 + r) * N + n0;
-            const float* src = out + r * kBlockCols;
-            if (bp != nullptr)
-              for (int64_t j = 0; j < columns; ++j) dst[j] = src[j] + bp[n0 + j];
-            else
-              std::memcpy(dst, src, columns * sizeof(float));
-          }
+          store_block_rows(out, kBlockCols, std::min(kBlockRows, M - m0), columns, bp ? bp + n0 : nullptr,
+                           yp + m0 * N + n0, N);
         }
       }
     }

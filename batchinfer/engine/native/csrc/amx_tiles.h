@@ -1,5 +1,5 @@
-// AMX tile state shared by the kernels that run on AMX tiles (amx_gemm.cpp, amx_block_gemm.cpp); included
-// only where the build has AMX (__AMX_TILE__).
+// What the kernels that run on AMX tiles share (amx_gemm.cpp, amx_block_gemm.cpp): the tile state and the
+// store of a block's results; included only where the build has AMX (__AMX_TILE__).
 #pragma once
 
 #include <immintrin.h>
@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 
 // Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA),
@@ -37,4 +38,18 @@ inline void configure_amx_tiles() {
     config.rows[t] = 16;
   }
   _tile_loadconfig(&config);
+}
+
+// rows x columns of a block's float32 results (row stride ld_src) into y (row stride ldy), plus bias (its
+// columns' values, or nullptr).
+inline void store_block_rows(const float* src, int64_t ld_src, int64_t rows, int64_t columns,
+                             const float* bias, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = y + r * ldy;
+    const float* row = src + r * ld_src;
+    if (bias != nullptr)
+      for (int64_t j = 0; j < columns; ++j) dst[j] = row[j] + bias[j];
+    else
+      std::memcpy(dst, row, columns * sizeof(float));
+  }
 }
